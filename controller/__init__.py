@@ -1,0 +1,1 @@
+"""The loops, guardrails, targets, load generator, reports and the CLI."""

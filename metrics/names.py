@@ -1,0 +1,82 @@
+"""The metric contract: every name, label and bucket layout serving emits and readers read.
+
+Names carry the ``slotune_`` prefix and base units. Ray Serve exports custom
+metrics from ``ray.serve.metrics`` with a ``ray_`` prefix on its metrics export
+port; :func:`exported` maps an emitted name to the name seen there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+PREFIX = "slotune_"
+RAY_PREFIX = "ray_"
+
+# Histograms (seconds).
+TTFT_SECONDS = "slotune_ttft_seconds"
+TPOT_SECONDS = "slotune_tpot_seconds"
+QUEUE_WAIT_SECONDS = "slotune_queue_wait_seconds"
+
+# Counters.
+REQUESTS_TOTAL = "slotune_requests_total"  # completed requests, label slo_met
+GENERATED_TOKENS_TOTAL = "slotune_generated_tokens_total"
+REJECTED_TOTAL = "slotune_rejected_requests_total"  # label reason
+
+# Gauges.
+RUNNING_REQUESTS = "slotune_running_requests"
+WAITING_REQUESTS = "slotune_waiting_requests"
+KV_CACHE_USAGE_RATIO = "slotune_kv_cache_usage_ratio"
+MAX_BATCH_SIZE = "slotune_max_batch_size"
+
+# Labels.
+LABEL_SLO_MET = "slo_met"  # "true" | "false"
+LABEL_REASON = "reason"
+
+HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS)
+COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL)
+GAUGES = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_CACHE_USAGE_RATIO, MAX_BATCH_SIZE)
+
+# Default SLO thresholds the default bucket layouts contain exactly.
+DEFAULT_TTFT_SLO_S = 1.0
+DEFAULT_TPOT_SLO_S = 0.1
+
+# Neighbouring bucket bounds are at most this ratio apart everywhere in range.
+MAX_BUCKET_RATIO = 1.1
+
+
+def exported(name: str) -> str:
+    """The name under which Ray's metrics export port shows an emitted metric."""
+    if not name.startswith(PREFIX):
+        raise ValueError(f"metric name {name!r} must start with {PREFIX!r}")
+    return RAY_PREFIX + name
+
+
+def slo_buckets(
+    thresholds: Iterable[float],
+    *,
+    lo: float = 1e-3,
+    hi: float = 120.0,
+    max_ratio: float = MAX_BUCKET_RATIO,
+) -> tuple[float, ...]:
+    """Finite histogram bounds from ``lo`` to ``hi`` that contain every threshold exactly.
+
+    Bounds form a geometric grid no more than ``max_ratio`` apart; each threshold is
+    inserted as-is, so "fraction of requests above the SLO" is read exactly from the
+    bucket counts and the quantile near the SLO is interpolated within ≤10%.
+    """
+    if not (0 < lo < hi) or not math.isfinite(hi):
+        raise ValueError(f"bucket range lo={lo!r}, hi={hi!r}: need 0 < lo < hi < inf")
+    if not max_ratio > 1:
+        raise ValueError(f"max_ratio={max_ratio!r}: must be > 1")
+    extra = []
+    for t in thresholds:
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"SLO threshold {t!r}: must be a positive finite number of seconds")
+        extra.append(float(t))
+    n = math.ceil(math.log(hi / lo) / math.log(max_ratio))
+    step = (hi / lo) ** (1.0 / n)
+    grid = [lo * step**i for i in range(n + 1)]
+    grid[-1] = hi
+    bounds = sorted(set(round(b, 12) for b in grid) | set(extra))
+    return tuple(bounds)

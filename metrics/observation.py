@@ -1,0 +1,98 @@
+"""What the controller decides from: an SLO and an Observation of one window."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slo:
+    """Latency SLO on a quantile (p99 by default) of TTFT and TPOT, in seconds."""
+
+    ttft_p99_s: float
+    tpot_p99_s: float
+    quantile: float = 0.99
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p99_s", "tpot_p99_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v!r}: must be a positive number of seconds")
+        if not 0 < self.quantile < 1:
+            raise ValueError(f"quantile={self.quantile!r}: must be in (0, 1)")
+
+
+class Verdict(str, enum.Enum):
+    MET = "met"
+    VIOLATED = "violated"
+    INSUFFICIENT = "insufficient"  # not enough samples to tell either way
+
+
+@dataclass(frozen=True, kw_only=True)
+class SloVerdict:
+    """Whether the quantile meets its threshold, with the evidence behind the call."""
+
+    verdict: Verdict
+    threshold_s: float
+    estimate_s: float  # the quantile as measured (nan when unknown)
+    samples: int  # observations the verdict rests on
+    confidence: float  # e.g. 0.95
+    # Upper confidence bound on the fraction of samples above the threshold.
+    exceed_fraction_upper: float = math.nan
+    exceed_fraction_lower: float = math.nan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Percentiles:
+    p50: float = math.nan
+    p90: float = math.nan
+    p99: float = math.nan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """One measurement window of a serving deployment (any source)."""
+
+    start_s: float  # unix seconds
+    end_s: float
+    completed: int  # requests finished in the window
+    slo_met: int  # of those, requests that met BOTH SLOs
+    rejected: int = 0
+    generated_tokens: int = 0
+    ttft: Percentiles = field(default_factory=Percentiles)
+    tpot: Percentiles = field(default_factory=Percentiles)
+    ttft_verdict: SloVerdict | None = None
+    tpot_verdict: SloVerdict | None = None
+    staleness_s: float = 0.0  # age of the newest data point when read
+    stale: bool = False
+    source: str = ""
+
+    @property
+    def window_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def goodput_rps(self) -> float:
+        """Completed requests per second that met both the TTFT and the TPOT SLO."""
+        return self.slo_met / self.window_s if self.window_s > 0 else math.nan
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.completed / self.window_s if self.window_s > 0 else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.window_s if self.window_s > 0 else math.nan
+
+    @property
+    def feasible(self) -> bool:
+        """Both SLOs met with confidence, on fresh data."""
+        return (
+            not self.stale
+            and self.ttft_verdict is not None
+            and self.tpot_verdict is not None
+            and self.ttft_verdict.verdict is Verdict.MET
+            and self.tpot_verdict.verdict is Verdict.MET
+        )

@@ -1,0 +1,1 @@
+"""Roofline model, search space, objective and the Optuna tuner."""

@@ -1,0 +1,1 @@
+"""Decode model, continuous-batching engine, Ray Serve app and simulator."""
