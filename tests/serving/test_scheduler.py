@@ -1,0 +1,254 @@
+"""The pure scheduler: admission, chunked prefill, live batch limit, abort, timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.scheduler import Scheduler, SchedulerConfig, SeqRequest, StepPlan
+
+
+def make(max_slots=4, max_batch_size=4, max_len=64, prefill_chunk=16) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_slots=max_slots,
+            max_batch_size=max_batch_size,
+            max_len=max_len,
+            prefill_chunk=prefill_chunk,
+        )
+    )
+
+
+def req(rid: str, prompt_len=4, max_tokens=3, arrival_s=0.0, **kw) -> SeqRequest:
+    return SeqRequest(
+        request_id=rid, prompt_len=prompt_len, max_tokens=max_tokens, arrival_s=arrival_s, **kw
+    )
+
+
+def run_step(s: Scheduler, now: float, token: int = 7):
+    plan = s.schedule(now_s=now)
+    sampled = {rid: token for rid in plan.sampling_ids()}
+    return plan, s.update(plan, sampled, now_s=now + 0.5)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"max_slots": 0}, "max_slots=0"),
+        ({"max_batch_size": 5}, "max_batch_size=5"),
+        ({"max_len": 1}, "max_len=1"),
+        ({"prefill_chunk": 2.5}, "prefill_chunk=2.5"),
+    ],
+)
+def test_config_rejects_bad_values(kw, needle) -> None:
+    args = {"max_slots": 4, "max_batch_size": 4, "max_len": 64, "prefill_chunk": 16} | kw
+    with pytest.raises(ValueError, match=needle):
+        SchedulerConfig(**args)
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "needle"),
+    [
+        (0, 3, "empty"),
+        (4, -1, "max_tokens=-1"),
+        (4, 0, "max_tokens=0"),
+        (4, 2.0, "max_tokens=2.0"),
+        (4, "3", "max_tokens='3'"),
+        (4, True, "max_tokens=True"),
+        (60, 5, "exceeds the context length 64"),
+    ],
+)
+def test_add_rejects_invalid_requests(prompt_len, max_tokens, needle) -> None:
+    s = make()
+    with pytest.raises(ValueError, match=needle):
+        s.add(req("a", prompt_len=prompt_len, max_tokens=max_tokens))
+    assert not s.has_work
+
+
+def test_duplicate_request_id_rejected() -> None:
+    s = make()
+    s.add(req("a"))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add(req("a"))
+
+
+def test_prompt_ids_length_must_match() -> None:
+    with pytest.raises(ValueError, match="prompt_ids has 2 tokens"):
+        make().add(req("a", prompt_len=3, prompt_ids=(1, 2)))
+
+
+def test_lifecycle_prefill_then_decode_and_timings() -> None:
+    s = make()
+    s.add(req("a", prompt_len=4, max_tokens=3, arrival_s=1.0, prompt_ids=(1, 2, 3, 4)))
+    plan, fin = run_step(s, now=2.0)
+    assert plan.decode == ()
+    assert [(c.start, c.length, c.last, c.token_ids) for c in plan.prefill] == [
+        (0, 4, True, (1, 2, 3, 4))
+    ]
+    assert fin == []
+    plan, fin = run_step(s, now=3.0, token=8)
+    (e,) = plan.decode
+    assert (e.position, e.token) == (4, 7)  # feeds the first sampled token at position 4
+    assert plan.kv_tokens == 5
+    plan, fin = run_step(s, now=4.0, token=9)
+    assert plan.decode[0].position == 5
+    (f,) = fin
+    assert f.reason == "length"
+    assert f.output_ids == (7, 8, 9)
+    t = f.timing
+    assert (t.arrival_s, t.admitted_s, t.first_token_s, t.last_token_s) == (1.0, 2.0, 2.5, 4.5)
+    assert t.ttft_s == pytest.approx(1.5)
+    assert t.tpot_s == pytest.approx(1.0)  # (4.5 - 2.5) / (3 - 1)
+    assert t.queue_wait_s == pytest.approx(1.0)
+    assert (t.prompt_tokens, t.generated_tokens) == (4, 3)
+    assert not s.has_work and s.kv_usage == 0
+
+
+def test_single_token_has_no_tpot() -> None:
+    s = make()
+    s.add(req("a", max_tokens=1))
+    _, fin = run_step(s, 0.0)
+    assert fin[0].timing.tpot_s is None and fin[0].timing.generated_tokens == 1
+
+
+def test_stop_token_finishes_early() -> None:
+    s = make()
+    s.add(req("a", max_tokens=10, stop_ids=frozenset({7})))
+    _, fin = run_step(s, 0.0, token=7)
+    assert fin[0].reason == "stop" and fin[0].timing.generated_tokens == 1
+
+
+def test_long_prompt_is_chunked_and_decode_keeps_running() -> None:
+    s = make(prefill_chunk=8)
+    s.add(req("short", prompt_len=2, max_tokens=10))
+    run_step(s, 0.0)  # short prefilled
+    s.add(req("long", prompt_len=20, max_tokens=2))
+    chunks = []
+    for i in range(3):
+        plan, _ = run_step(s, 1.0 + i)
+        assert [e.request_id for e in plan.decode] == ["short"]  # never stalled
+        assert plan.prefill_tokens <= 8
+        chunks += [(c.start, c.length, c.last) for c in plan.prefill]
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    plan, _ = run_step(s, 4.0)
+    assert sorted(e.request_id for e in plan.decode) == ["long", "short"]
+
+
+def test_prefill_budget_shared_fifo_and_waiting_counts() -> None:
+    s = make(prefill_chunk=6)
+    for i in range(3):
+        s.add(req(f"r{i}", prompt_len=4, arrival_s=float(i)))
+    plan = s.schedule(now_s=5.0)
+    assert [(c.request_id, c.length) for c in plan.prefill] == [("r0", 4), ("r1", 2)]
+    assert s.num_running == 2 and s.num_waiting == 1
+    s.update(plan, {"r0": 1}, now_s=5.1)
+    plan = s.schedule(now_s=6.0)
+    assert [(c.request_id, c.start, c.length) for c in plan.prefill] == [
+        ("r1", 2, 2),
+        ("r2", 0, 4),
+    ]
+
+
+def test_slots_bound_admission_and_are_reused() -> None:
+    s = make(max_slots=2, max_batch_size=2)
+    for i in range(3):
+        s.add(req(f"r{i}", max_tokens=1))
+    plan, fin = run_step(s, 0.0)
+    assert sorted(c.slot for c in plan.prefill) == [0, 1]
+    assert len(fin) == 2 and s.num_waiting == 1
+    plan, fin = run_step(s, 1.0)
+    assert [c.slot for c in plan.prefill] == [0]
+
+
+def test_shrinking_batch_never_drops_in_flight() -> None:
+    s = make(max_slots=4, max_batch_size=4, prefill_chunk=64)
+    for i in range(4):
+        s.add(req(f"r{i}", max_tokens=5))
+    run_step(s, 0.0)
+    s.set_max_batch_size(2)
+    s.add(req("late", max_tokens=2))
+    done = []
+    for i in range(4):
+        plan, fin = run_step(s, 1.0 + i)
+        if i == 0:
+            assert plan.decode_batch == 4  # all in-flight keep decoding
+            assert s.num_waiting == 1  # the new one waits
+        done += [f.request_id for f in fin]
+    assert sorted(done) == ["r0", "r1", "r2", "r3"]
+    for _ in range(3):
+        plan, fin = run_step(s, 10.0)
+        done += [f.request_id for f in fin]
+    assert "late" in done
+    # growing lets more in at the next schedule
+    s.set_max_batch_size(3)
+    assert s.max_batch_size == 3
+
+
+@pytest.mark.parametrize("bad", [0, 5, 2.0, "3"])
+def test_set_max_batch_size_validates(bad) -> None:
+    with pytest.raises(ValueError, match="max_batch_size="):
+        make().set_max_batch_size(bad)
+
+
+def test_admission_respects_lowered_limit() -> None:
+    s = make(max_slots=4, max_batch_size=4, prefill_chunk=64)
+    s.set_max_batch_size(1)
+    s.add(req("a", max_tokens=3))
+    s.add(req("b", max_tokens=3))
+    plan = s.schedule(now_s=0.0)
+    assert [c.request_id for c in plan.prefill] == ["a"]
+    assert s.num_running == 1 and s.num_waiting == 1
+
+
+def test_abort_frees_slot_at_once_and_stale_plan_is_ignored() -> None:
+    s = make(max_slots=1, max_batch_size=1)
+    s.add(req("a", max_tokens=10))
+    s.add(req("b", max_tokens=1))
+    run_step(s, 0.0)
+    plan = s.schedule(now_s=1.0)
+    assert s.kv_usage == 1.0
+    assert s.abort("a") is True
+    assert s.kv_usage == 0.0 and s.slot_of("a") is None
+    assert s.update(plan, {"a": 3}, now_s=1.5) == []  # stale entry ignored
+    plan, fin = run_step(s, 2.0)
+    assert [c.request_id for c in plan.prefill] == ["b"] and plan.prefill[0].slot == 0
+    assert s.abort("a") is False
+
+
+def test_abort_waiting_request() -> None:
+    s = make(max_slots=1, max_batch_size=1)
+    s.add(req("a"))
+    s.add(req("b"))
+    run_step(s, 0.0)
+    assert s.abort("b") is True and s.num_waiting == 0
+    assert s.abort("nope") is False
+
+
+def test_simulation_without_token_ids() -> None:
+    s = make(prefill_chunk=100)
+    s.add(req("a", prompt_len=10, max_tokens=4))
+    s.add(req("b", prompt_len=20, max_tokens=2))
+    finished = []
+    t = 0.0
+    while s.has_work:
+        plan = s.schedule(now_s=t)
+        assert isinstance(plan, StepPlan)
+        t += 0.01
+        finished += s.update(plan, {}, now_s=t)
+    assert {f.request_id: f.timing.generated_tokens for f in finished} == {"a": 4, "b": 2}
+    assert all(f.output_ids == () for f in finished)
+
+
+def test_deterministic() -> None:
+    def trace():
+        s = make(max_slots=3, max_batch_size=2, prefill_chunk=5)
+        for i in range(6):
+            s.add(req(f"r{i}", prompt_len=3 + i, max_tokens=1 + i % 3, arrival_s=i * 0.1))
+        out = []
+        t = 0.0
+        while s.has_work:
+            plan, fin = run_step(s, t)
+            out.append((plan, [f.timing for f in fin]))
+            t += 1
+        return out
+
+    assert trace() == trace()
