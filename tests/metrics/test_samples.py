@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from metrics.observation import Verdict
+from metrics.samples import (
+    exact_quantile,
+    exceed_fraction_bounds,
+    quantile_lower_bound,
+    quantile_upper_bound,
+    verdict_from_counts,
+    verdict_from_histogram,
+    verdict_from_samples,
+)
+
+
+def test_exact_quantile_is_nearest_rank() -> None:
+    s = list(range(1, 101))  # 1..100
+    assert exact_quantile(s, 0.99) == 99
+    assert exact_quantile(s, 0.5) == 50
+    assert exact_quantile(s, 1.0) == 100
+    assert exact_quantile([3.0], 0.99) == 3.0
+    assert math.isnan(exact_quantile([], 0.5))
+    with pytest.raises(ValueError, match="NaN"):
+        exact_quantile([1.0, math.nan], 0.5)
+
+
+def test_twenty_requests_never_make_a_p99_verdict_met() -> None:
+    v = verdict_from_samples([0.01] * 20, threshold_s=1.0)
+    assert v.verdict is Verdict.INSUFFICIENT
+    assert v.samples == 20 and v.estimate_s == 0.01
+    assert v.exceed_fraction_upper > 0.01
+
+
+def test_met_needs_299_clean_requests_at_95_percent() -> None:
+    # 1 - 0.99**n >= 0.95  <=>  n >= 299 (zero requests above the threshold).
+    assert verdict_from_counts(298, 0, 1.0, 0.5).verdict is Verdict.INSUFFICIENT
+    assert verdict_from_counts(299, 0, 1.0, 0.5).verdict is Verdict.MET
+
+
+def test_clear_violation_is_called_even_on_few_samples() -> None:
+    v = verdict_from_samples([0.1] * 15 + [2.0] * 5, threshold_s=1.0)
+    assert v.verdict is Verdict.VIOLATED
+    assert v.exceed_fraction_lower > 0.01
+
+
+def test_sample_equal_to_threshold_meets_it() -> None:
+    v = verdict_from_samples([1.0] * 400, threshold_s=1.0)
+    assert v.verdict is Verdict.MET
+
+
+def test_verdict_matches_order_statistic_bound() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(1, 2000))
+        x = rng.lognormal(0.0, 1.0, n)
+        t = float(np.quantile(x, rng.uniform(0.95, 1.0)))
+        v = verdict_from_samples(x, t)
+        ub = quantile_upper_bound(x, 0.99)
+        lb = quantile_lower_bound(x, 0.99)
+        assert (v.verdict is Verdict.MET) == (ub <= t), (n, t, ub)
+        assert (v.verdict is Verdict.VIOLATED) == (lb > t), (n, t, lb)
+        assert lb <= exact_quantile(x, 0.99) <= ub
+
+
+def test_upper_bound_covers_true_quantile_at_stated_rate() -> None:
+    # Coverage of the one-sided 95% bound on the p99 of Exp(1): at least ~95%.
+    rng = np.random.default_rng(11)
+    true_p99 = -math.log(0.01)
+    hits = sum(
+        quantile_upper_bound(rng.exponential(1.0, 1000), 0.99) >= true_p99 for _ in range(400)
+    )
+    assert hits / 400 >= 0.92
+
+
+def test_clopper_pearson_bounds() -> None:
+    lo, hi = exceed_fraction_bounds(100, 0, 0.95)
+    assert lo == 0.0 and hi == pytest.approx(1 - 0.05 ** (1 / 100))
+    lo, hi = exceed_fraction_bounds(10, 10, 0.95)
+    assert hi == 1.0 and lo == pytest.approx(0.05 ** (1 / 10))
+
+
+def test_counts_are_validated() -> None:
+    with pytest.raises(ValueError, match="above"):
+        verdict_from_counts(10, 11, 1.0, 0.5)
+    with pytest.raises(ValueError, match="total"):
+        verdict_from_counts(-1, 0, 1.0, 0.5)
+    with pytest.raises(ValueError, match="confidence"):
+        verdict_from_counts(10, 0, 1.0, 0.5, confidence=1.0)
+
+
+def test_histogram_verdict_exact_when_threshold_is_a_bound() -> None:
+    inf = math.inf
+    b = {0.5: 300.0, 1.0: 400.0, 2.0: 405.0, inf: 405.0}
+    v = verdict_from_histogram(b, 1.0, 0.9)
+    ref = verdict_from_counts(405, 5, 1.0, 0.9)
+    assert v == ref
+
+
+def test_histogram_verdict_brackets_when_threshold_between_bounds() -> None:
+    inf = math.inf
+    # 1000 requests, all ≤ 2.0, but the threshold 1.5 lies inside (1.0, 2.0]: with 2 in that
+    # bucket the exceedance is 0..2 of 1000, and even 2 of 1000 is MET at p99 with 95%...
+    b = {1.0: 998.0, 2.0: 1000.0, inf: 1000.0}
+    assert verdict_from_histogram(b, 1.5, 1.2).verdict is Verdict.MET
+    # ...but 30 in the straddling bucket could all be above: neither MET nor VIOLATED.
+    b = {1.0: 970.0, 2.0: 1000.0, inf: 1000.0}
+    assert verdict_from_histogram(b, 1.5, 1.2).verdict is Verdict.INSUFFICIENT
+    # With the threshold as a bound, the 30 above are known: VIOLATED.
+    b = {1.0: 970.0, 1.5: 970.0, 2.0: 1000.0, inf: 1000.0}
+    assert verdict_from_histogram(b, 1.5, 1.7).verdict is Verdict.VIOLATED
+
+
+def test_histogram_verdict_insufficient_without_observations() -> None:
+    v = verdict_from_histogram({1.0: 0.0, math.inf: 0.0}, 1.0, math.nan)
+    assert v.verdict is Verdict.INSUFFICIENT and v.samples == 0
