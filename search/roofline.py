@@ -1,0 +1,524 @@
+"""The decode roofline: step time, the throughput-latency curve, its knee, the operating point.
+
+One decode step reads every weight once and each sequence's KV cache, and does
+2 FLOPs per matmul weight per token plus attention (per device, under tensor
+parallelism over ``tp`` devices)::
+
+    bytes(B)  = W / tp + B * ctx * kv_per_token_per_device
+    flops(B)  = B * (2 * P_matmul + attn_flops(ctx)) / tp
+    step(B)   = max(bytes(B) / BW, flops(B) / FLOPS) + all_reduce(B)
+    all_reduce(B) = 2 * layers * (latency + 2 (tp-1)/tp * B * hidden * bytes / link_bw)
+
+TPOT ~ step(B); tokens/s = B / step(B). On a device calibrated by
+``slotune calibrate`` the two ideal bounds are replaced by what the device was
+measured to achieve at the same shapes (weight bytes / rate(B) + KV bytes /
+rate(B) + per-op overhead), so the prediction can be held against a measured
+step; the ``bound`` column still names the ideal bound that dominates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from search.hardware import BYTES_PER_ELEM, HardwareSpec
+from search.models import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# Small eager ops in one Llama block besides its 7 linears and SDPA: two
+# RMSNorms (~5 ops each), rotary on q and k (~8), cache writes (2), reshapes and
+# residual adds (~4). Used only on calibrated devices, times the measured
+# per-op overhead.
+OPS_PER_LAYER = 24
+MAX_DEFAULT_BATCH = 1024
+
+
+class DoesNotFit(ValueError):
+    """The model's weights (or one sequence's KV cache) exceed the device memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurvePoint:
+    batch: int
+    tpot_s: float
+    tokens_per_s: float
+    bound: str  # "memory" | "compute": the ideal bound that dominates
+    fits: bool = True  # the KV cache of `batch` sequences at the context fits in memory
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "batch": self.batch,
+            "tpot_ms": self.tpot_s * 1e3,
+            "tokens_per_s": self.tokens_per_s,
+            "bound": self.bound,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roofline:
+    """Decode step time of ``model`` on ``tp`` x ``hardware`` in ``dtype`` at ``context``."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    tp: int = 1
+    dtype: str = "bf16"
+    context: int = 4096
+    kv_dtype: str | None = None  # KV cache dtype; defaults to dtype
+    mem_utilization: float = 0.9  # share of device memory for weights + KV (vLLM's default)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp={self.tp!r}: must be a positive integer")
+        if self.model.heads % self.tp:
+            ok = [n for n in range(1, self.model.heads + 1) if self.model.heads % n == 0]
+            raise ValueError(
+                f"tp={self.tp}: must divide {self.model.name}'s {self.model.heads} attention "
+                f"heads; allowed: {', '.join(map(str, ok))}"
+            )
+        if self.tp > 1 and self.hardware.interconnect_bandwidth <= 0:
+            raise ValueError(
+                f"tp={self.tp}: {self.hardware.name} has no interconnect bandwidth; allowed: tp=1"
+            )
+        self.hardware.flops(self.dtype)  # raises naming the dtypes the device has
+        kv = self.kv_dtype or self.dtype
+        if kv not in BYTES_PER_ELEM:
+            raise ValueError(f"kv_dtype={kv!r}: allowed: {', '.join(BYTES_PER_ELEM)}")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
+            raise ValueError(f"context={self.context!r}: must be a positive number of tokens")
+        if not 0 < self.mem_utilization <= 1:
+            raise ValueError(f"mem_utilization={self.mem_utilization!r}: must be in (0, 1]")
+
+    # ---- per-device constants ----------------------------------------------------
+
+    @property
+    def bytes_per_elem(self) -> int:
+        return BYTES_PER_ELEM[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token adds, whole model (all devices)."""
+        return self.model.kv_bytes_per_token(BYTES_PER_ELEM[self.kv_dtype or self.dtype])
+
+    @property
+    def kv_bytes_per_token_per_device(self) -> float:
+        """KV heads split over TP; when tp > kv_heads each device keeps a replica of one."""
+        m = self.model
+        kv_heads_here = math.ceil(m.kv_heads / self.tp)
+        return self.kv_bytes_per_token * kv_heads_here / m.kv_heads
+
+    @property
+    def weight_bytes_per_device(self) -> float:
+        """Weights resident on one device (all parameters, sharded over TP)."""
+        return self.model.weight_bytes(self.bytes_per_elem) / self.tp
+
+    @property
+    def weight_bytes_read_per_device(self) -> float:
+        """Weight bytes one step streams on one device."""
+        return self.model.weight_bytes_read_per_step(self.bytes_per_elem) / self.tp
+
+    @property
+    def peak_flops(self) -> float:
+        return self.hardware.flops(self.dtype)
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        return self.hardware.ridge_flops_per_byte(self.dtype)
+
+    @property
+    def usable_memory_per_device(self) -> float:
+        return self.hardware.mem_capacity * self.mem_utilization
+
+    @property
+    def max_batch_memory(self) -> int:
+        """Sequences of ``context`` tokens whose KV cache fits next to the weights (0: none)."""
+        free = self.usable_memory_per_device - self.weight_bytes_per_device
+        if free <= 0:
+            return 0
+        return int(free // (self.kv_bytes_per_token_per_device * self.context))
+
+    @property
+    def calibrated(self) -> bool:
+        return self.dtype in self.hardware.decode
+
+    # ---- the knee -----------------------------------------------------------------
+
+    def _per_seq_costs(self, context: int) -> tuple[float, float, float]:
+        """(weight read s, KV read s per sequence, compute s per sequence) on one device."""
+        bw = self.hardware.mem_bandwidth
+        w_s = self.weight_bytes_read_per_device / bw
+        kv_s = context * self.kv_bytes_per_token_per_device / bw
+        flops = (
+            2 * self.model.matmul_params + self.model.attention_flops_per_token(context)
+        ) / self.tp
+        return w_s, kv_s, flops / self.peak_flops
+
+    @property
+    def compute_crossover_batch(self) -> int | None:
+        """Smallest B at which the compute bound overtakes the memory bound (KV bytes
+        included); None when KV reads grow faster than compute and it never does."""
+        w_s, kv_s, c_s = self._per_seq_costs(self.context)
+        if c_s <= kv_s:
+            return None
+        return max(1, math.ceil(w_s / (c_s - kv_s)))
+
+    @property
+    def kv_crossover_batch(self) -> int:
+        """Smallest B at which the KV cache read per step outweighs the weights read."""
+        w_s, kv_s, _ = self._per_seq_costs(self.context)
+        return max(1, math.ceil(w_s / kv_s))
+
+    @property
+    def knee_batch(self) -> int:
+        """Where the curve bends: the compute crossover, or earlier the batch at which KV
+        reads match the weight reads (beyond it tokens/s approaches BW / KV-per-sequence)."""
+        c = self.compute_crossover_batch
+        k = self.kv_crossover_batch
+        return k if c is None else min(c, k)
+
+    @property
+    def knee_bound(self) -> str:
+        c = self.compute_crossover_batch
+        return "compute" if c is not None and c <= self.kv_crossover_batch else "kv"
+
+    # ---- step time ----------------------------------------------------------------
+
+    def all_reduce_s(self, rows: int) -> float:
+        """Two all-reduces per layer of ``rows`` x hidden activations (ring algorithm)."""
+        if self.tp == 1 or rows <= 0:
+            return 0.0
+        hw = self.hardware
+        msg = rows * self.model.hidden * self.bytes_per_elem
+        one = (
+            hw.interconnect_latency_s
+            + 2 * (self.tp - 1) / self.tp * msg / hw.interconnect_bandwidth
+        )
+        return 2 * self.model.layers * one
+
+    def bounds_s(
+        self,
+        *,
+        decode_batch: int,
+        kv_tokens: int,
+        prefill_tokens: int = 0,
+        prefill_attention_pairs: int | None = None,
+    ) -> tuple[float, float]:
+        """(memory-bound time, compute-bound time) of one step on one device, ideal."""
+        m = self.model
+        rows = decode_batch + prefill_tokens
+        if rows <= 0:
+            return 0.0, 0.0
+        pairs = kv_tokens + self._prefill_pairs(prefill_tokens, prefill_attention_pairs)
+        kv_moved = (kv_tokens + prefill_tokens) * self.kv_bytes_per_token_per_device
+        mem_bytes = self.weight_bytes_read_per_device + kv_moved
+        flops = (2 * m.matmul_params * rows + 4 * m.layers * m.heads * m.head_dim * pairs) / self.tp
+        return mem_bytes / self.hardware.mem_bandwidth, flops / self.peak_flops
+
+    @staticmethod
+    def _prefill_pairs(prefill_tokens: int, given: int | None) -> int:
+        # Query-key pairs of the prefill's causal attention; as one prompt unless told.
+        if given is not None:
+            return given
+        return prefill_tokens * (prefill_tokens + 1) // 2
+
+    def step_time_detailed_s(
+        self,
+        *,
+        decode_batch: int,
+        kv_tokens: int,
+        prefill_tokens: int = 0,
+        prefill_attention_pairs: int | None = None,
+    ) -> float:
+        """One engine step: ``decode_batch`` sequences reading ``kv_tokens`` cached tokens in
+        total (the sum of their context lengths), plus ``prefill_tokens`` prompt tokens in
+        the same forward pass (``prefill_attention_pairs``: their query-key pairs; default
+        as if one prompt)."""
+        if decode_batch < 0 or kv_tokens < 0 or prefill_tokens < 0:
+            raise ValueError(
+                f"decode_batch={decode_batch}, kv_tokens={kv_tokens}, "
+                f"prefill_tokens={prefill_tokens}: must be >= 0"
+            )
+        rows = decode_batch + prefill_tokens
+        if rows == 0:
+            return 0.0
+        comm = self.all_reduce_s(rows)
+        if not self.calibrated:
+            mem_s, comp_s = self.bounds_s(
+                decode_batch=decode_batch,
+                kv_tokens=kv_tokens,
+                prefill_tokens=prefill_tokens,
+                prefill_attention_pairs=prefill_attention_pairs,
+            )
+            return max(mem_s, comp_s) + comm
+        return (
+            self._calibrated_step_s(
+                decode_batch, kv_tokens, prefill_tokens, prefill_attention_pairs
+            )
+            + comm
+        )
+
+    def _calibrated_step_s(
+        self, decode_batch: int, kv_tokens: int, prefill_tokens: int, pairs: int | None
+    ) -> float:
+        m = self.model
+        prof = self.hardware.decode[self.dtype]
+        rows = decode_batch + prefill_tokens
+        linear_s = self.weight_bytes_read_per_device / prof.weight_rate_at(rows)
+        attn_s = 0.0
+        if decode_batch > 0 and kv_tokens > 0:
+            kv_bytes = kv_tokens * self.kv_bytes_per_token_per_device
+            attn_s += kv_bytes / prof.kv_rate_at(decode_batch)
+        if prefill_tokens > 0:
+            p = self._prefill_pairs(prefill_tokens, pairs)
+            attn_s += 4 * m.layers * m.heads * m.head_dim * p / self.tp / self.peak_flops
+        overhead_s = prof.op_overhead_s * OPS_PER_LAYER * m.layers
+        return linear_s + attn_s + overhead_s
+
+    def step_time_s(self, batch: int, *, context: int | None = None) -> float:
+        """One decode step of ``batch`` sequences, each at ``context`` cached tokens."""
+        ctx = self.context if context is None else context
+        return self.step_time_detailed_s(decode_batch=batch, kv_tokens=batch * ctx)
+
+    def bound_at(self, batch: int, *, context: int | None = None) -> str:
+        ctx = self.context if context is None else context
+        mem_s, comp_s = self.bounds_s(decode_batch=batch, kv_tokens=batch * ctx)
+        return "compute" if comp_s > mem_s else "memory"
+
+    def point(self, batch: int) -> CurvePoint:
+        if batch < 1:
+            raise ValueError(f"batch={batch}: must be >= 1")
+        t = self.step_time_s(batch)
+        return CurvePoint(
+            batch=batch,
+            tpot_s=t,
+            tokens_per_s=batch / t,
+            bound=self.bound_at(batch),
+            fits=batch <= self.max_batch_memory,
+        )
+
+    def curve(self, max_batch: int) -> list[CurvePoint]:
+        """Every batch size 1..max_batch at ``context``."""
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch={max_batch!r}: must be a positive integer")
+        return [self.point(b) for b in range(1, max_batch + 1)]
+
+    def check_fits(self) -> None:
+        """Raise :class:`DoesNotFit` naming the sizes and what would fit."""
+        hw, m = self.hardware, self.model
+        usable = self.usable_memory_per_device
+        need = self.weight_bytes_per_device
+        gb = 1e9
+        if need >= usable:
+            min_tp = next(
+                (
+                    n
+                    for n in range(self.tp + 1, m.heads + 1)
+                    if m.heads % n == 0 and m.weight_bytes(self.bytes_per_elem) / n < usable
+                ),
+                None,
+            )
+            hint = f"use --tp {min_tp} or more" if min_tp else "use a larger device"
+            raise DoesNotFit(
+                f"{m.name} needs {need / gb:.1f} GB of {self.dtype} weights per device at "
+                f"tp={self.tp}, {hw.name} offers {usable / gb:.1f} GB "
+                f"({self.mem_utilization:.0%} of {hw.mem_capacity / gb:.0f} GB); {hint}"
+            )
+        if self.max_batch_memory < 1:
+            one = self.kv_bytes_per_token_per_device * self.context
+            most = int((usable - need) // self.kv_bytes_per_token_per_device)
+            raise DoesNotFit(
+                f"context={self.context}: one sequence's KV cache needs {one / gb:.2f} GB per "
+                f"device, {(usable - need) / gb:.2f} GB is left after the weights; "
+                f"allowed: --context <= {most} or a larger --tp"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatingPoint:
+    batch: int
+    tpot_s: float
+    tokens_per_s: float
+    usd_per_million_tokens: float | None  # None when no price is known
+    limited_by: str  # "slo" | "memory" | "max_batch"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "batch": self.batch,
+            "tpot_ms": self.tpot_s * 1e3,
+            "tokens_per_s": self.tokens_per_s,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "limited_by": self.limited_by,
+        }
+
+
+def usd_per_million_tokens(usd_per_hour: float, devices: int, tokens_per_s: float) -> float:
+    """(device $/h * devices) / (tokens/s * 3600) * 1e6."""
+    return usd_per_hour * devices / (tokens_per_s * 3600.0) * 1e6
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineAnalysis:
+    roofline: Roofline
+    slo_tpot_s: float
+    max_batch: int
+    usd_per_hour: float
+    operating_point: OperatingPoint | None
+    curve: list[CurvePoint] = field(default_factory=list)
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        return self.roofline.ridge_flops_per_byte
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.roofline.kv_bytes_per_token
+
+    @property
+    def knee_batch(self) -> int:
+        return self.roofline.knee_batch
+
+    @property
+    def max_batch_memory(self) -> int:
+        return self.roofline.max_batch_memory
+
+    def at(self, batch: int) -> CurvePoint:
+        return self.curve[batch - 1]
+
+    def explain(self) -> list[str]:
+        """Two or three lines: where to operate and why."""
+        r = self.roofline
+        op = self.operating_point
+        knee = r.knee_batch
+        why_knee = (
+            f"the compute bound overtakes the memory bound at B={knee} "
+            f"(ridge {r.ridge_flops_per_byte:.0f} FLOP/byte)"
+            if r.knee_bound == "compute"
+            else f"at B={knee} the KV cache read per step outweighs the weights, so each "
+            f"added sequence buys less (the compute bound, ridge "
+            f"{r.ridge_flops_per_byte:.0f} FLOP/byte, "
+            + (
+                f"is reached only at B={r.compute_crossover_batch})"
+                if r.compute_crossover_batch
+                else "is never reached at this context)"
+            )
+        )
+        lines = [f"Decode is memory-bound below the knee: {why_knee}."]
+        slo_ms = self.slo_tpot_s * 1e3
+        if op is None:
+            one = self.at(1)
+            lines.append(
+                f"No batch meets TPOT <= {slo_ms:g} ms: even B=1 takes {one.tpot_s * 1e3:.1f} ms; "
+                "raise --tp, use a faster device, or relax the SLO."
+            )
+            return lines
+        cost = (
+            f", ${op.usd_per_million_tokens:.3f} per million output tokens"
+            if op.usd_per_million_tokens is not None
+            else ""
+        )
+        lines.append(
+            f"Operate at B={op.batch}: TPOT {op.tpot_s * 1e3:.1f} ms <= {slo_ms:g} ms, "
+            f"{op.tokens_per_s:,.0f} tokens/s{cost}."
+        )
+        if op.limited_by == "memory":
+            lines.append(
+                f"The KV cache caps it (B <= {r.max_batch_memory} at context {r.context}), not "
+                "the SLO: shorter contexts, more --tp or more memory would allow more."
+            )
+        elif op.limited_by == "slo":
+            nxt = self.at(op.batch + 1)
+            lines.append(
+                f"The SLO caps it: B={op.batch + 1} would take {nxt.tpot_s * 1e3:.1f} ms"
+                + (
+                    " (past the knee each sequence costs more latency)."
+                    if op.batch >= knee
+                    else " (below the knee, so the SLO is tight for this hardware)."
+                )
+            )
+        else:
+            lines.append(f"Limited by --max-batch {self.max_batch}; raise it to look further.")
+        return lines
+
+    def to_dict(self) -> dict[str, object]:
+        r = self.roofline
+        single = self.at(1)
+        return {
+            "model": r.model.name,
+            "hardware": r.hardware.name,
+            "tp": r.tp,
+            "dtype": r.dtype,
+            "context": r.context,
+            "calibrated": r.calibrated,
+            "slo_tpot_ms": self.slo_tpot_s * 1e3,
+            "usd_per_hour": self.usd_per_hour,
+            "ridge_flops_per_byte": self.ridge_flops_per_byte,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "knee_batch": self.knee_batch,
+            "knee_bound": r.knee_bound,
+            "compute_crossover_batch": r.compute_crossover_batch,
+            "max_batch_memory": self.max_batch_memory,
+            "weight_bytes_per_device": r.weight_bytes_per_device,
+            "single_stream": {"tpot_ms": single.tpot_s * 1e3, "tokens_per_s": single.tokens_per_s},
+            "operating_point": None
+            if self.operating_point is None
+            else self.operating_point.to_dict(),
+            "explanation": self.explain(),
+            "curve": [p.to_dict() for p in self.curve],
+        }
+
+
+def analyze(
+    roofline: Roofline,
+    *,
+    slo_tpot_s: float,
+    max_batch: int | None = None,
+    usd_per_hour: float | None = None,
+) -> RooflineAnalysis:
+    """The curve up to ``max_batch`` (default: what memory holds, at most 1024), and the
+    largest batch whose TPOT meets the SLO and whose KV cache fits."""
+    if isinstance(slo_tpot_s, bool) or not isinstance(slo_tpot_s, (int, float)):
+        raise ValueError(f"slo_tpot_s={slo_tpot_s!r}: must be a number of seconds")
+    if not (math.isfinite(slo_tpot_s) and slo_tpot_s > 0):
+        raise ValueError(f"slo_tpot_s={slo_tpot_s!r}: must be a positive number of seconds")
+    price = roofline.hardware.usd_per_hour if usd_per_hour is None else usd_per_hour
+    if not (math.isfinite(price) and price >= 0):
+        raise ValueError(f"usd_per_hour={price!r}: must be a number >= 0")
+    roofline.check_fits()
+    cap = roofline.max_batch_memory
+    if max_batch is None:
+        max_batch = min(cap, MAX_DEFAULT_BATCH)
+    elif isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch={max_batch!r}: must be a positive integer")
+    curve = roofline.curve(max_batch)
+    # An explicit max_batch may go past the memory cap: those points are drawn, not chosen.
+    best = None
+    for p in curve:
+        if p.fits and p.tpot_s <= slo_tpot_s:
+            best = p
+    op = None
+    if best is not None:
+        if best.batch == cap:
+            limited = "memory"
+        elif best.batch == max_batch:
+            limited = "max_batch"
+        else:
+            limited = "slo"
+        op = OperatingPoint(
+            batch=best.batch,
+            tpot_s=best.tpot_s,
+            tokens_per_s=best.tokens_per_s,
+            usd_per_million_tokens=(
+                usd_per_million_tokens(price, roofline.tp, best.tokens_per_s) if price > 0 else None
+            ),
+            limited_by=limited,
+        )
+    return RooflineAnalysis(
+        roofline=roofline,
+        slo_tpot_s=float(slo_tpot_s),
+        max_batch=max_batch,
+        usd_per_hour=price,
+        operating_point=op,
+        curve=curve,
+    )
