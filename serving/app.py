@@ -1,0 +1,380 @@
+"""The Ray Serve deployment: an OpenAI-compatible completion server over the engine.
+
+``import_path: serving.app:app`` (deploy/serve-config.yaml, KubeRay) names
+:func:`app`, an application builder: the config's ``args`` become
+:class:`ServerArgs` (changing them rebuilds the replica) and the deployment's
+``user_config`` becomes :class:`LiveConfig`, applied in place by
+``reconfigure`` (batch limit and SLO thresholds, no restart).
+
+Routes (relative to the route prefix):
+
+- ``POST /v1/completions``: OpenAI completions, SSE with ``stream: true``.
+- ``GET /v1/models``: the one served model.
+- ``GET /health``: 200 while the engine's step loop is alive.
+- ``GET /stats``: engine stats, pid and the applied live config (JSON).
+
+Bad input is a 400 with an OpenAI-style JSON error body. Admission control is
+Ray Serve's: ``max_ongoing_requests`` per replica, and beyond
+``max_queued_requests`` the proxy answers 503 (retryable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from metrics import names
+from metrics.observation import Slo
+from serving import openai_api as oa
+from serving.serve_metrics import GaugeRefresher, ServeMetrics
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENT_NAME = "CompletionServer"
+MODEL_PRESETS = ("tiny", "small")
+DEVICES = ("cpu", "cuda")
+# Where replicas publish the live config they applied (Ray's internal KV):
+# key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
+KV_NAMESPACE = "slotune"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_pos_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    """What a replica is built with (the application ``args``): a change restarts it."""
+
+    model: str = "tiny"
+    max_slots: int = 64  # KV-cache slots: the largest batch the replica can ever run
+    device: str = "cpu"
+    checkpoint: str | None = None  # local HF-layout directory, or None for random weights
+    seed: int = 0
+    torch_threads: int = 1  # Ray sets OMP_NUM_THREADS=1 in actors: choose deliberately
+    served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model={self.model!r}: must be one of {MODEL_PRESETS}")
+        if not _is_int(self.max_slots) or self.max_slots < 1:
+            raise ValueError(f"max_slots={self.max_slots!r}: must be a positive integer")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r}: must be an integer")
+        if not _is_int(self.torch_threads) or self.torch_threads < 1:
+            raise ValueError(f"torch_threads={self.torch_threads!r}: must be a positive integer")
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or f"slotune-{self.model}"
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> ServerArgs:
+        args = dict(args or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - allowed)
+        if unknown:
+            raise ValueError(f"unknown app args {unknown}; allowed: {sorted(allowed)}")
+        return cls(**args)
+
+    def to_args(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveConfig:
+    """The deployment's ``user_config``: applied in place by ``reconfigure``.
+
+    ``max_ongoing_requests`` mirrors the deployment option of the same name (Ray
+    applies that one itself); carrying it here makes ``reconfigure`` run when it
+    changes, so the replica can confirm the update (serving/deploy.py waits on it).
+    ``version`` is a nonce that makes each update distinguishable.
+    """
+
+    max_batch_size: int
+    ttft_slo_s: float = names.DEFAULT_TTFT_SLO_S
+    tpot_slo_s: float = names.DEFAULT_TPOT_SLO_S
+    max_ongoing_requests: int | None = None
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size!r}: must be a positive integer")
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            if not _is_pos_number(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive number")
+        m = self.max_ongoing_requests
+        if m is not None and (not _is_int(m) or m < 1):
+            raise ValueError(f"max_ongoing_requests={m!r}: must be a positive integer")
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(ttft_p99_s=self.ttft_slo_s, tpot_p99_s=self.tpot_slo_s)
+
+    @classmethod
+    def from_user_config(cls, config: dict[str, Any]) -> LiveConfig:
+        if not isinstance(config, dict):
+            raise ValueError(f"user_config={config!r}: must be a mapping")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - allowed)
+        if unknown:
+            raise ValueError(f"unknown user_config keys {unknown}; allowed: {sorted(allowed)}")
+        return cls(**config)
+
+    def to_user_config(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _json_error(e: oa.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@serve.deployment(
+    name=DEPLOYMENT_NAME,
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=16,
+    max_queued_requests=64,
+    graceful_shutdown_timeout_s=5,
+    health_check_period_s=5,
+)
+class CompletionServer:
+    """One replica: an :class:`serving.engine.AsyncEngine` behind OpenAI routes."""
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        import torch
+
+        from serving.config import ModelConfig
+        from serving.engine import AsyncEngine
+
+        self.args = ServerArgs.from_args(args)
+        torch.set_num_threads(self.args.torch_threads)
+        self.live = LiveConfig(max_batch_size=min(8, self.args.max_slots))
+        self.created = int(time.time())
+        self.pid = os.getpid()
+        self.metrics = ServeMetrics(slo=self.live.slo)
+        self.engine = AsyncEngine(
+            model_config=ModelConfig.from_name(self.args.model),
+            max_slots=self.args.max_slots,
+            max_batch_size=self.live.max_batch_size,
+            device=self.args.device,
+            checkpoint=self.args.checkpoint,
+            seed=self.args.seed,
+        )
+        self.engine.on_finish = self._on_finish
+        self.tokenizer = self.engine.tokenizer
+        self.engine.start()
+        self.gauges = GaugeRefresher(metrics=self.metrics, stats=self.engine.stats)
+        self.gauges.start()
+        ctx = serve.get_replica_context()
+        self._kv_key = f"{ctx.app_name}/{ctx.replica_tag}".encode()
+        self._publish()
+        logger.info("replica %s up: pid %d, %s", ctx.replica_tag, self.pid, self.args)
+
+    # -- live knobs ---------------------------------------------------------
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        live = LiveConfig.from_user_config(user_config)
+        if live.max_batch_size > self.args.max_slots:
+            raise ValueError(
+                f"max_batch_size={live.max_batch_size}: must be <= max_slots="
+                f"{self.args.max_slots} (a restart with larger max_slots raises it)"
+            )
+        self.engine.set_max_batch_size(live.max_batch_size)
+        self.metrics.set_slo(live.slo)
+        self.live = live
+        self._publish()
+        logger.info("applied live config %s", live)
+
+    def _publish(self) -> None:
+        """Record what this replica applied where serving/deploy.py can read it."""
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(
+            self._kv_key, json.dumps(self.state()).encode(), namespace=KV_NAMESPACE
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Pid, applied live config and Ray's current ``max_ongoing_requests``."""
+        ctx = serve.get_replica_context()
+        return {
+            "pid": self.pid,
+            "replica": ctx.replica_tag,
+            "live": self.live.to_user_config(),
+            "max_ongoing_requests": ctx._deployment_config.max_ongoing_requests,
+            "args": self.args.to_args(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_usage": s.kv_usage,
+            "max_batch_size": s.max_batch_size,
+            **self.state(),
+        }
+
+    def check_health(self) -> None:
+        """Ray calls this periodically; raising marks the replica unhealthy."""
+        thread = getattr(self.engine, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the engine's step loop has stopped")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.gauges.stop()
+        with contextlib.suppress(Exception):
+            self.engine.stop()
+        with contextlib.suppress(Exception):
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_del(self._kv_key, namespace=KV_NAMESPACE)
+
+    def _on_finish(self, timing: Any) -> None:
+        try:
+            self.metrics.record_finish(timing)
+        except Exception:
+            logger.exception("could not record metrics for %s", timing)
+
+    # -- HTTP ---------------------------------------------------------------
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        path = path.rstrip("/") or "/"
+        method = request.method
+        if path == "/v1/completions":
+            if method != "POST":
+                return _json_error(oa.ApiError(f"{method} {path}: use POST", status=405))
+            return await self._completions(request)
+        if method != "GET":
+            return _json_error(oa.ApiError(f"{method} {path}: not allowed", status=405))
+        if path == "/v1/models":
+            return JSONResponse(oa.models_body(self.args.served_name, created=self.created))
+        if path in ("/health", "/healthz"):
+            self.check_health()
+            return JSONResponse({"status": "ok"})
+        if path == "/stats":
+            return JSONResponse(self.stats())
+        return _json_error(oa.ApiError(f"no route {path}", status=404, type="not_found"))
+
+    async def _completions(self, request: Request) -> Response:
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise oa.ApiError(f"request body is not valid JSON: {e}") from None
+            req = oa.parse_completion_request(body, served_model=self.args.served_name)
+            if isinstance(req.prompt, str):
+                prompt_ids = list(self.tokenizer.encode(req.prompt))
+            else:
+                prompt_ids = list(req.prompt)
+            try:
+                self.engine.validate(prompt_ids, req.max_tokens)
+            except ValueError as e:
+                raise oa.ApiError(str(e), param="prompt") from None
+        except oa.ApiError as e:
+            self.metrics.record_rejected("bad_request")
+            return _json_error(e)
+        cid = oa.new_completion_id()
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, prompt_ids, cid), media_type=oa.SSE_MEDIA_TYPE
+            )
+        return await self._complete(req, prompt_ids, cid)
+
+    def _generate(self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str):
+        return self.engine.generate(
+            prompt_ids, max_tokens=req.max_tokens, temperature=req.temperature, request_id=cid
+        )
+
+    async def _complete(
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
+    ) -> Response:
+        ids: list[int] = []
+        # aclosing: a cancelled request (client gone) aborts the engine request
+        # and frees its KV slot at once.
+        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as tokens:
+            async for tok in tokens:
+                ids.append(tok)
+        body = oa.completion_body(
+            completion_id=cid,
+            model=self.args.served_name,
+            text=self.tokenizer.decode(ids),
+            finish=oa.finish_reason(len(ids), req.max_tokens),
+            created=int(time.time()),
+            usage_=oa.usage(len(prompt_ids), len(ids)),
+        )
+        return JSONResponse(body)
+
+    async def _stream(
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        model = self.args.served_name
+        decoder = oa.IncrementalDecoder(decode=self.tokenizer.decode)
+        n = 0
+        try:
+            async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as tokens:
+                async for tok in tokens:
+                    n += 1
+                    delta = decoder.push(tok)
+                    if delta:
+                        yield oa.sse_event(
+                            oa.completion_body(
+                                completion_id=cid,
+                                model=model,
+                                text=delta,
+                                finish=None,
+                                created=created,
+                            )
+                        )
+        except asyncio.CancelledError:
+            logger.info("request %s cancelled after %d tokens (client gone)", cid, n)
+            raise
+        yield oa.sse_event(
+            oa.completion_body(
+                completion_id=cid,
+                model=model,
+                text=decoder.flush(),
+                finish=oa.finish_reason(n, req.max_tokens),
+                created=created,
+            )
+        )
+        if req.include_usage:
+            yield oa.sse_event(
+                oa.usage_chunk(
+                    completion_id=cid,
+                    model=model,
+                    created=created,
+                    usage_=oa.usage(len(prompt_ids), n),
+                )
+            )
+        yield oa.SSE_DONE
+
+
+def app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Application builder for ``import_path: serving.app:app``; ``args`` → ServerArgs."""
+    server_args = ServerArgs.from_args(args)  # fail early, in the build task
+    return CompletionServer.bind(server_args.to_args())

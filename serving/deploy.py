@@ -1,0 +1,317 @@
+"""Deploy the completion server and turn its knobs in place, through Serve's declarative path.
+
+A plain ``serve.run(Dep.options(...).bind())`` restarts the replica on every
+call (Ray gives it a random code version) and kills in-flight streams. The
+declarative path (what ``serve deploy``, KubeRay and the dashboard's
+``PUT /api/serve/applications/`` send) pins the code version to the import
+path + runtime env + args; with those unchanged, a new ``user_config`` or
+``max_ongoing_requests`` is a lightweight update: the running replica's
+``reconfigure`` is called and nothing restarts. In process we reach that path
+the way the dashboard does: ``ServeControllerClient.deploy_apps`` →
+``ServeController.apply_config``.
+
+``apply_config`` replaces the whole set of declaratively deployed apps, so
+every call here reads the live set and changes only the one app it names.
+
+Each replica publishes the live config it applied (serving/app.py writes it to
+Ray's internal KV in ``reconfigure``); :func:`update_knobs` waits until every
+running replica reports the new version, so "returned" means "applied".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from metrics import names
+from metrics.observation import Slo
+from serving.app import DEPLOYMENT_NAME, KV_NAMESPACE, LiveConfig, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IMPORT_PATH = "serving.app:app"
+DEFAULT_APP_NAME = "slotune"
+POLL_S = 0.1
+
+
+class DeployError(RuntimeError):
+    """The application failed to deploy or to apply an update; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaState:
+    """One running replica as it reports itself (pid and the knobs it applied)."""
+
+    replica_id: str
+    pid: int
+    max_batch_size: int
+    max_ongoing_requests: int
+    version: str
+    live: dict[str, Any]
+
+
+def _client() -> Any:
+    """The Serve controller client; starts Serve (loopback HTTP) if it is not running."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        serve.start(http_options={"host": "127.0.0.1"})
+        client = _get_global_client()
+    return client
+
+
+def _declarative_apps(client: Any) -> dict[str, dict[str, Any]]:
+    """Name → application config (dict) of every app deployed through the declarative path."""
+    import ray
+
+    configs = ray.get(client._controller.get_app_configs.remote())
+    return {name: cfg.model_dump(exclude_unset=True) for name, cfg in configs.items()}
+
+
+def _apply(client: Any, name: str, app_config: dict[str, Any]) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    apps = _declarative_apps(client)
+    apps[name] = app_config
+    schema = ServeDeploySchema.model_validate({"applications": list(apps.values())})
+    client.deploy_apps(schema)
+
+
+def app_config(
+    *,
+    name: str,
+    route_prefix: str,
+    args: ServerArgs,
+    live: LiveConfig,
+    max_ongoing_requests: int,
+    max_queued_requests: int,
+    num_replicas: int = 1,
+    runtime_env: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml)."""
+    if not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
+        raise ValueError(f"max_ongoing_requests={max_ongoing_requests!r}: must be an integer >= 1")
+    if not isinstance(max_queued_requests, int) or not (
+        max_queued_requests == -1 or max_queued_requests >= 1
+    ):
+        raise ValueError(
+            f"max_queued_requests={max_queued_requests!r}: must be -1 (unbounded) or >= 1"
+        )
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas!r}: must be an integer >= 1")
+    if not route_prefix.startswith("/"):
+        raise ValueError(f"route_prefix={route_prefix!r}: must start with '/'")
+    if live.max_batch_size > args.max_slots:
+        raise ValueError(
+            f"max_batch_size={live.max_batch_size}: must be <= max_slots={args.max_slots}"
+        )
+    return {
+        "name": name,
+        "route_prefix": route_prefix,
+        "import_path": IMPORT_PATH,
+        "runtime_env": dict(runtime_env or {}),
+        "args": args.to_args(),
+        "deployments": [
+            {
+                "name": DEPLOYMENT_NAME,
+                "num_replicas": num_replicas,
+                "max_ongoing_requests": max_ongoing_requests,
+                "max_queued_requests": max_queued_requests,
+                "user_config": live.to_user_config(),
+            }
+        ],
+    }
+
+
+def deploy_app(
+    *,
+    model: str = "tiny",
+    max_batch_size: int = 8,
+    max_ongoing_requests: int = 16,
+    slo: Slo | None = None,
+    max_slots: int = 64,
+    max_queued_requests: int = 64,
+    name: str = DEFAULT_APP_NAME,
+    route_prefix: str = "/",
+    device: str = "cpu",
+    checkpoint: str | None = None,
+    seed: int = 0,
+    torch_threads: int = 1,
+    num_replicas: int = 1,
+    runtime_env: dict[str, Any] | None = None,
+    timeout_s: float = 120.0,
+) -> None:
+    """Deploy (or update) the completion server app and wait until it serves.
+
+    Ray must be initialised; Serve is started on loopback if it is not running.
+    Changing ``model``/``max_slots``/``device``/``checkpoint``/``seed``/
+    ``torch_threads`` rebuilds the replicas; the knobs alone update in place.
+    """
+    slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
+    args = ServerArgs(
+        model=model,
+        max_slots=max_slots,
+        device=device,
+        checkpoint=checkpoint,
+        seed=seed,
+        torch_threads=torch_threads,
+    )
+    live = LiveConfig(
+        max_batch_size=max_batch_size,
+        ttft_slo_s=slo.ttft_p99_s,
+        tpot_slo_s=slo.tpot_p99_s,
+        max_ongoing_requests=max_ongoing_requests,
+        version=uuid.uuid4().hex[:12],
+    )
+    cfg = app_config(
+        name=name,
+        route_prefix=route_prefix,
+        args=args,
+        live=live,
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests,
+        num_replicas=num_replicas,
+        runtime_env=runtime_env,
+    )
+    client = _client()
+    _apply(client, name, cfg)
+    logger.info("deploying app %r: %s", name, cfg)
+    _wait_applied(client, name, live.version, num_replicas, timeout_s)
+
+
+def update_knobs(
+    *,
+    max_batch_size: int,
+    max_ongoing_requests: int,
+    slo: Slo | None = None,
+    max_queued_requests: int | None = None,
+    app_name: str = DEFAULT_APP_NAME,
+    timeout_s: float = 60.0,
+) -> None:
+    """Apply the batch limit, the admission limit (and the SLO) in place; wait until applied.
+
+    No replica restarts and in-flight streams continue: only ``user_config``,
+    ``max_ongoing_requests`` and ``max_queued_requests`` change. ``slo=None``
+    and ``max_queued_requests=None`` keep the current values.
+    """
+    client = _client()
+    apps = _declarative_apps(client)
+    if app_name not in apps:
+        raise DeployError(
+            f"app {app_name!r} was not deployed through the declarative path "
+            f"(deployed: {sorted(apps)}); deploy it with serving.deploy.deploy_app first"
+        )
+    cfg = apps[app_name]
+    dep = next(d for d in cfg["deployments"] if d["name"] == DEPLOYMENT_NAME)
+    old = LiveConfig.from_user_config(dep.get("user_config") or {"max_batch_size": 1})
+    slo = slo or old.slo
+    live = LiveConfig(
+        max_batch_size=max_batch_size,
+        ttft_slo_s=slo.ttft_p99_s,
+        tpot_slo_s=slo.tpot_p99_s,
+        max_ongoing_requests=max_ongoing_requests,
+        version=uuid.uuid4().hex[:12],
+    )
+    new = app_config(
+        name=app_name,
+        route_prefix=cfg.get("route_prefix", "/"),
+        args=ServerArgs.from_args(cfg.get("args")),
+        live=live,
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=(
+            dep.get("max_queued_requests", -1)
+            if max_queued_requests is None
+            else max_queued_requests
+        ),
+        num_replicas=dep.get("num_replicas", 1),
+        runtime_env=cfg.get("runtime_env"),
+    )
+    _apply(client, app_name, new)
+    _wait_applied(client, app_name, live.version, new["deployments"][0]["num_replicas"], timeout_s)
+
+
+def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None:
+    """Remove the app (and only it) from the declarative set; wait until it is gone."""
+    from ray.serve.schema import ServeDeploySchema
+
+    client = _client()
+    apps = _declarative_apps(client)
+    if name not in apps:
+        return
+    del apps[name]
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": list(apps.values())}))
+    deadline = time.monotonic() + timeout_s
+    while name in client.get_serve_details().get("applications", {}):
+        if time.monotonic() > deadline:
+            raise DeployError(f"app {name!r} still present after {timeout_s} s")
+        time.sleep(POLL_S)
+
+
+def _running_replicas(client: Any, app_name: str) -> tuple[str, str, list[dict[str, Any]]]:
+    details = client.get_serve_details()
+    app = details.get("applications", {}).get(app_name)
+    if app is None:
+        return "NOT_STARTED", "", []
+    dep = app.get("deployments", {}).get(DEPLOYMENT_NAME, {})
+    replicas = [r for r in dep.get("replicas", []) if r.get("state") == "RUNNING"]
+    return str(app.get("status")), str(app.get("message", "")), replicas
+
+
+def _read_state(app_name: str, replica_id: str) -> dict[str, Any] | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(f"{app_name}/{replica_id}", namespace=KV_NAMESPACE)
+    return None if raw is None else json.loads(raw)
+
+
+def replica_states(app_name: str = DEFAULT_APP_NAME) -> list[ReplicaState]:
+    """The running replicas of the app, each as it last reported itself."""
+    _, _, replicas = _running_replicas(_client(), app_name)
+    out = []
+    for r in replicas:
+        st = _read_state(app_name, r["replica_id"])
+        if st is None:
+            continue
+        out.append(
+            ReplicaState(
+                replica_id=r["replica_id"],
+                pid=int(st["pid"]),
+                max_batch_size=int(st["live"]["max_batch_size"]),
+                max_ongoing_requests=int(st["max_ongoing_requests"]),
+                version=str(st["live"].get("version", "")),
+                live=st["live"],
+            )
+        )
+    return out
+
+
+def replica_pids(app_name: str = DEFAULT_APP_NAME) -> list[int]:
+    """Process ids of the app's running replicas (as Serve's controller reports them)."""
+    _, _, replicas = _running_replicas(_client(), app_name)
+    return sorted(int(r["pid"]) for r in replicas if r.get("pid") is not None)
+
+
+def _wait_applied(
+    client: Any, app_name: str, version: str, num_replicas: int, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    status, message = "NOT_STARTED", ""
+    while time.monotonic() < deadline:
+        status, message, replicas = _running_replicas(client, app_name)
+        if status == "DEPLOY_FAILED":
+            raise DeployError(f"app {app_name!r} failed to deploy: {message}")
+        if status == "RUNNING" and len(replicas) == num_replicas:
+            states = [_read_state(app_name, r["replica_id"]) for r in replicas]
+            if all(s is not None and s["live"].get("version") == version for s in states):
+                return
+        time.sleep(POLL_S)
+    raise DeployError(
+        f"app {app_name!r}: config version {version} not applied on {num_replicas} "
+        f"replica(s) within {timeout_s} s (status {status}: {message or 'no message'})"
+    )
