@@ -1,0 +1,172 @@
+"""``report.html``: one self-contained page (inline CSS, the plot as a base64 PNG)."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controller.report import CurveReport, TrialRecord
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
+max-width:1100px;color:#222;padding:0 1em}
+h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.6em}
+.sub{color:#666;margin-top:0}
+.box{border:2px solid #2166ac;border-radius:8px;padding:.8em 1.2em;background:#f4f8fc}
+.box.bad{border-color:#d73027;background:#fdf3f2}
+table{border-collapse:collapse;font-size:.85em;width:100%}
+th,td{border-bottom:1px solid #ddd;padding:.3em .45em;text-align:right}
+th{background:#f0f0f0;position:sticky;top:0}
+td.l,th.l{text-align:left}tr.ok td{background:#eef8ee}tr.chosen td{background:#cfe8cf;
+font-weight:600}tr.no td{color:#a33}
+dl{display:grid;grid-template-columns:max-content 1fr;gap:.2em 1em}dt{color:#666}
+img{max-width:100%;border:1px solid #ddd}
+"""
+
+
+def _f(x: Any, fmt: str = ".1f", none: str = "–") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, fmt)
+
+
+def explain(report: CurveReport) -> list[str]:
+    """The recommendation and why, in plain sentences."""
+    from controller.report import usd_per_million_tokens
+
+    slo = report.slo
+    lines: list[str] = []
+    if report.knee_batch:
+        ridge = (
+            f" (the device's ridge point is {report.ridge_flops_per_byte:.0f} FLOP/byte)"
+            if report.ridge_flops_per_byte
+            else ""
+        )
+        lines.append(
+            f"The roofline puts the knee of the curve near batch {report.knee_batch}{ridge}: "
+            "below it a decode step costs about the same at any batch (reading the weights "
+            "dominates), so more sequences give more tokens/s almost for free; above it each "
+            "extra sequence adds step time, so tokens/s flattens while TPOT grows."
+        )
+    cut = report.slo_cut_predicted()
+    if cut is not None:
+        lines.append(
+            f"The p99 TPOT SLO of {slo.tpot_p99_s * 1e3:.0f} ms cuts the predicted curve at "
+            f"batch {cut.batch} ({cut.tokens_per_s:.0f} tokens/s predicted)."
+        )
+    feasible = [t for t in report.trials if t.feasible]
+    if feasible:
+        big = max(feasible, key=lambda t: t.max_batch_size)
+        lines.append(
+            f"Measured, the largest batch limit that met both p99 SLOs (TTFT "
+            f"{slo.ttft_p99_s * 1e3:.0f} ms, TPOT {slo.tpot_p99_s * 1e3:.0f} ms) was "
+            f"{big.max_batch_size} ({len(feasible)} of {len(report.trials)} trials met them)."
+        )
+    c = report.chosen
+    if c is None:
+        lines.append(
+            f"No configuration tried met both SLOs with enough samples to say so "
+            f"({len(report.trials)} trials). Do not ship: relax the SLO, add capacity, or "
+            "look at the table below for the closest miss."
+        )
+        return lines
+    cost = usd_per_million_tokens(report.usd_per_hour, c.tokens_per_s)
+    rec = (
+        f"Recommended: max_batch_size={c.max_batch_size}, max_concurrency={c.max_concurrency}. "
+        f"It served {c.goodput_rps:.2f} requests/s within both SLOs and {c.tokens_per_s:.0f} "
+        f"output tokens/s, with p99 TTFT {_f(c.p99_ttft_ms)} ms (n={c.ttft_samples}) and "
+        f"p99 TPOT {_f(c.p99_tpot_ms)} ms (n={c.tpot_samples})."
+    )
+    if math.isfinite(cost):
+        rec += f" At ${report.usd_per_hour:g}/h that is ${cost:.3g} per million output tokens."
+    lines.append(rec)
+    frac = report.roofline_fraction(c)
+    if math.isfinite(frac):
+        lines.append(
+            f"The measurement reaches {frac:.0%} of the roofline's tokens/s at that batch; "
+            "the rest is what the implementation leaves on the table (kernels, Python, "
+            "scheduling, HTTP)."
+        )
+    if math.isfinite(c.client_p99_tpot_ms) and math.isfinite(c.p99_tpot_ms) and c.p99_tpot_ms:
+        lines.append(
+            f"Cross-check: the load generator measured p99 TPOT {c.client_p99_tpot_ms:.1f} ms "
+            f"and p99 TTFT {_f(c.client_p99_ttft_ms)} ms on the client side "
+            f"({(c.client_p99_tpot_ms / c.p99_tpot_ms - 1):+.0%} TPOT against the server's "
+            "metrics; the client adds network and HTTP time)."
+        )
+    return lines
+
+
+def _row(report: CurveReport, t: TrialRecord, chosen: TrialRecord | None) -> str:
+    cls = "chosen" if t is chosen else ("ok" if t.feasible else "no")
+    cells = [
+        str(t.number),
+        str(t.max_batch_size),
+        str(t.max_concurrency),
+        _f(t.tokens_per_s, ".0f"),
+        _f(t.goodput_rps, ".2f"),
+        _f(t.p50_ttft_ms),
+        _f(t.p99_ttft_ms),
+        _f(t.p50_tpot_ms),
+        _f(t.p99_tpot_ms),
+        f"{t.ttft_verdict}/{t.tpot_verdict}",
+        f"{t.ttft_samples}/{t.tpot_samples}",
+        _f(report.roofline_fraction(t), ".0%"),
+        _f(t.client_p99_tpot_ms),
+        _f(t.wall_s, ".0f"),
+    ]
+    tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+    return f'<tr class="{cls}">{tds}<td class="l">{html.escape(t.note)}</td></tr>'
+
+
+def render_html(report: CurveReport, *, png_b64: str) -> str:
+    slo = report.slo
+    chosen = report.chosen
+    heads = (
+        "trial,batch,conc.,tok/s,goodput req/s,p50 TTFT ms,p99 TTFT ms,p50 TPOT ms,"
+        "p99 TPOT ms,verdicts TTFT/TPOT,samples,of roofline,client p99 TPOT ms,wall s"
+    ).split(",")
+    head = "".join(f"<th>{h}</th>" for h in heads) + '<th class="l">note</th>'
+    rows = "\n".join(_row(report, t, chosen) for t in report.trials)
+    why = "".join(f"<p>{html.escape(s)}</p>" for s in explain(report))
+    hw = "".join(
+        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>"
+        for k, v in report.hardware_detail.items()
+    )
+    meta = "".join(
+        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>"
+        for k, v in report.meta.items()
+    )
+    box = "box" if chosen is not None else "box bad"
+    title = "Operating point found" if chosen is not None else "No feasible operating point"
+    price = f"${report.usd_per_hour:g}/h" if report.usd_per_hour is not None else "not given"
+    who = f"{html.escape(report.model or 'model')} on {html.escape(report.hardware or 'device')}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>slotune report: {html.escape(report.model)} on {html.escape(report.hardware)}</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>slotune: {who}</h1>
+<p class="sub">SLO: p{slo.quantile * 100:g} TTFT ≤ {slo.ttft_p99_s * 1e3:g} ms,
+p{slo.quantile * 100:g} TPOT ≤ {slo.tpot_p99_s * 1e3:g} ms · price {price} ·
+{len(report.trials)} trials · {html.escape(report.stop_reason)}</p>
+<div class="{box}"><h2 style="margin-top:.2em">{title}</h2>{why}</div>
+<h2>Throughput against latency</h2>
+<img alt="tokens/s against p99 TPOT: measured trials, roofline prediction, SLO line, chosen point"
+ src="data:image/png;base64,{png_b64}">
+<h2>Trials</h2>
+<table><thead><tr>{head}</tr></thead><tbody>
+{rows}
+</tbody></table>
+<h2>Hardware and model</h2>
+<dl><dt>model</dt><dd>{html.escape(report.model)}</dd>
+<dt>hardware</dt><dd>{html.escape(report.hardware)}</dd>{hw}
+<dt>knee (roofline)</dt><dd>{_f(report.knee_batch, "d")}</dd>
+<dt>ridge point</dt><dd>{_f(report.ridge_flops_per_byte, ".0f")} FLOP/byte</dd>
+<dt>roofline's predicted operating point</dt><dd>batch {_f(report.predicted_batch, "d")}</dd>
+</dl>
+<h2>Run</h2><dl>{meta}</dl>
+</body></html>
+"""
