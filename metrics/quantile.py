@@ -64,7 +64,16 @@ def bucket_quantile(q: float, pairs: Iterable[tuple[float, float]]) -> float:
         bucket_start = bkts[b - 1][0]
         count -= bkts[b - 1][1]
         rank -= bkts[b - 1][1]
-    return bucket_start + (bucket_end - bucket_start) * (rank / count)
+    return bucket_start + (bucket_end - bucket_start) * _go_div(rank, count)
+
+
+def _go_div(a: float, b: float) -> float:
+    # IEEE division as Go does it: x/0 is ±Inf or NaN, never an exception.
+    if b != 0 or math.isnan(b):
+        return a / b
+    if a == 0 or math.isnan(a):
+        return math.nan
+    return math.copysign(math.inf, a) * math.copysign(1.0, b)
 
 
 def _search(n: int, pred: Callable[[int], bool]) -> int:

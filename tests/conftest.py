@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fixtures.prometheus_server import prometheus_server  # noqa: F401
 from tests.fixtures.ray_cluster import ray_cluster  # noqa: F401
 
 
