@@ -26,12 +26,16 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
+from metrics.observation import Observation, Percentiles, Slo
+from metrics.samples import exact_quantile, verdict_from_samples
 
 log = logging.getLogger(__name__)
 
@@ -364,8 +368,16 @@ async def _one_request(
     )
 
 
-async def run_load(spec: LoadSpec, *, client: httpx.AsyncClient | None = None) -> LoadResult:
-    """Offer the load ``spec`` describes; returns when the count or the duration is spent."""
+async def run_load(
+    spec: LoadSpec,
+    *,
+    client: httpx.AsyncClient | None = None,
+    stop: asyncio.Event | None = None,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> LoadResult:
+    """Offer the load ``spec`` describes; returns when the count or the duration is spent,
+    or as soon as ``stop`` is set (in-flight requests are then cancelled). ``on_record`` is
+    called with each finished request as it finishes."""
     own = client is None
     if client is None:
         client = httpx.AsyncClient(
@@ -387,13 +399,18 @@ async def run_load(spec: LoadSpec, *, client: httpx.AsyncClient | None = None) -
         nonlocal issued
         if issued >= spec.max_requests or time.monotonic() >= deadline:
             return None
+        if stop is not None and stop.is_set():
+            return None
         issued += 1
         return issued - 1
 
     async def worker() -> None:
         while (i := take()) is not None:
             prompt, n, max_tokens = plan.request(i)
-            records.append(await _one_request(client, spec, prompt, n, max_tokens))
+            rec = await _one_request(client, spec, prompt, n, max_tokens)
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
 
     async def arrivals() -> None:
         nonlocal dropped
@@ -410,17 +427,19 @@ async def run_load(spec: LoadSpec, *, client: httpx.AsyncClient | None = None) -
             task = asyncio.create_task(_one_request(client, spec, prompt, n, max_tokens))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
-            task.add_done_callback(lambda t: _collect(t, records))
+            task.add_done_callback(lambda t: _collect(t, records, on_record))
 
     if spec.mode == "closed":
         tasks = [asyncio.create_task(worker()) for _ in range(spec.concurrency)]
     else:
         tasks = [asyncio.create_task(arrivals())]
+    waits: set[asyncio.Future[Any]] = set(tasks)
+    stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
     try:
-        done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        done, pending = await _wait_all_or(waits, stopper, deadline)
         if spec.mode != "closed" and in_flight and not pending:
-            # All arrivals sent: wait for the stragglers until the deadline.
-            await asyncio.wait(set(in_flight), timeout=max(0.0, deadline - time.monotonic()))
+            # All arrivals sent: wait for the stragglers until the deadline (or the stop).
+            await _wait_all_or(set(in_flight), stopper, deadline)
         cancelled = sum(not t.done() for t in pending) if spec.mode == "closed" else 0
         cancelled += sum(not t.done() for t in in_flight)
         for t in [*pending, *in_flight]:
@@ -430,6 +449,8 @@ async def run_load(spec: LoadSpec, *, client: httpx.AsyncClient | None = None) -
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
     finally:
+        if stopper is not None:
+            stopper.cancel()
         if own:
             await client.aclose()
     result = LoadResult(
@@ -453,9 +474,68 @@ async def run_load(spec: LoadSpec, *, client: httpx.AsyncClient | None = None) -
     return result
 
 
-def _collect(task: asyncio.Task[RequestRecord], records: list[RequestRecord]) -> None:
+async def _wait_all_or(
+    tasks: set[asyncio.Future[Any]], stopper: asyncio.Future[Any] | None, deadline: float
+) -> tuple[set[asyncio.Future[Any]], set[asyncio.Future[Any]]]:
+    """Wait until every task is done, the deadline passes or the stopper fires."""
+    pending = set(tasks)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0 or (stopper is not None and stopper.done()):
+            break
+        watch = pending | ({stopper} if stopper is not None else set())
+        await asyncio.wait(watch, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        pending = {t for t in pending if not t.done()}
+    return set(tasks) - pending, pending
+
+
+def _collect(
+    task: asyncio.Task[RequestRecord],
+    records: list[RequestRecord],
+    on_record: Callable[[RequestRecord], None] | None,
+) -> None:
     if not task.cancelled() and task.exception() is None:
         records.append(task.result())
+        if on_record is not None:
+            on_record(task.result())
+
+
+def client_observation(result: LoadResult, slo: Slo, *, confidence: float = 0.95) -> Observation:
+    """The load generator's own Observation of a window (the cross-check of the server's).
+
+    TTFT samples: every completed request; TPOT samples: those with ≥ 2 tokens. A request
+    met the SLO when its TTFT and (if it has one) its TPOT are within the thresholds.
+    Percentiles and verdicts come from :mod:`metrics.samples` (exact, from raw samples).
+    """
+    ok = [r for r in result.records if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
+    met = sum(
+        r.ttft_s <= slo.ttft_p99_s and (math.isnan(r.tpot_s) or r.tpot_s <= slo.tpot_p99_s)
+        for r in ok
+    )
+    q = slo.quantile
+
+    def pct(xs: list[float]) -> Percentiles:
+        if not xs:
+            return Percentiles()
+        return Percentiles(
+            p50=exact_quantile(xs, 0.5), p90=exact_quantile(xs, 0.9), p99=exact_quantile(xs, q)
+        )
+
+    return Observation(
+        start_s=result.start_s,
+        end_s=result.end_s,
+        completed=len(ok),
+        slo_met=int(met),
+        rejected=result.rejected,
+        generated_tokens=sum(r.output_tokens for r in ok),
+        ttft=pct(ttft),
+        tpot=pct(tpot),
+        ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
+        tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
+        source="client",
+    )
 
 
 def run_load_sync(spec: LoadSpec) -> LoadResult:
@@ -489,6 +569,7 @@ __all__: Sequence[str] = (
     "LoadSpec",
     "RequestRecord",
     "TraceItem",
+    "client_observation",
     "completions_url",
     "load_trace",
     "run_load",

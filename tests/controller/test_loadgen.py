@@ -294,3 +294,59 @@ def test_length_parse_errors_and_helpers() -> None:
     assert s.mode == "closed" and s.concurrency == 6
     with pytest.raises(ValueError, match="max_tokens"):
         TraceItem(max_tokens=0, prompt="x")
+
+
+def test_stop_event_ends_the_run_and_on_record_sees_each_request() -> None:
+    fake = FakeOpenAI(first_delay_s=0.005, token_delay_s=0.002)
+    seen: list = []
+
+    async def go():
+        async with serving(fake) as url:
+            stop = asyncio.Event()
+            spec = LoadSpec(url=url, concurrency=2, max_requests=100_000, duration_s=120)
+            task = asyncio.create_task(run_load(spec, stop=stop, on_record=seen.append))
+            while len(seen) < 10:
+                await asyncio.sleep(0.01)
+            stop.set()
+            return await task
+
+    res = asyncio.run(go())
+    assert len(res.records) >= 10 and len(res.records) < 100_000
+    assert len(seen) == len(res.records)
+    assert res.cancelled <= 2
+
+
+def test_client_observation_from_records() -> None:
+    from controller.loadgen import LoadResult, RequestRecord, client_observation
+    from metrics.observation import Slo, Verdict
+
+    recs = []
+    for i in range(400):
+        ttft = 0.1 if i < 396 else 2.0  # 4 of 400 over a 1 s TTFT SLO: p99 violated? no: 1%
+        recs.append(
+            RequestRecord(
+                sent_s=100.0 + i * 0.01,
+                done_s=101.0 + i * 0.01,
+                first_token_s=100.0 + i * 0.01 + ttft,
+                last_token_s=100.0 + i * 0.01 + ttft + 0.02 * 9,
+                prompt_tokens=8,
+                max_tokens=10,
+                output_tokens=10,
+                status=200,
+            )
+        )
+    recs.append(
+        RequestRecord(
+            sent_s=1, done_s=1.1, first_token_s=None, last_token_s=None,
+            prompt_tokens=8, max_tokens=10, output_tokens=0, status=503, error="HTTP 503",
+        )
+    )  # fmt: skip
+    res = LoadResult(start_s=100.0, end_s=110.0, records=tuple(recs))
+    obs = client_observation(res, Slo(ttft_p99_s=1.0, tpot_p99_s=0.05))
+    assert obs.completed == 400 and obs.rejected == 1 and obs.slo_met == 396
+    assert obs.generated_tokens == 4000 and obs.tokens_per_s == 400.0
+    assert obs.tpot.p99 == pytest.approx(0.02)
+    assert obs.ttft.p99 == pytest.approx(0.1)  # nearest rank: 396th of 400 is 0.1
+    assert obs.tpot_verdict.verdict is Verdict.MET and obs.tpot_verdict.samples == 400
+    assert obs.ttft_verdict.verdict is not Verdict.MET  # 4 over the threshold: not proven
+    assert obs.source == "client"
