@@ -12,6 +12,7 @@ import sys
 
 import typer
 
+from controller import cli_roofline
 from controller.errors import BadInput, NoFeasiblePoint
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ def _root(
 
 
 # Command registration: one line per command module.
+cli_roofline.register(app)  # roofline, calibrate
 
 
 def main(argv: list[str] | None = None) -> None:

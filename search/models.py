@@ -229,13 +229,13 @@ CATALOG: Mapping[str, ModelSpec] = MappingProxyType(
         # (tests/search/test_catalog.py holds them together).
         "slotune-tiny": _builtin(
             "slotune-tiny",
-            layers=2,
-            hidden=64,
-            heads=4,
-            kv_heads=2,
-            head_dim=16,
-            vocab=256,
-            intermediate=128,
+            layers=4,
+            hidden=256,
+            heads=8,
+            kv_heads=4,
+            head_dim=32,
+            vocab=512,
+            intermediate=768,
         ),
         "slotune-small": _builtin(
             "slotune-small",

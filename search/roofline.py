@@ -197,31 +197,54 @@ class Roofline:
         )
         return 2 * self.model.layers * one
 
+    def _shape(
+        self,
+        decode_batch: int,
+        kv_tokens: int,
+        prefill_tokens: int,
+        prefill_sequences: int | None,
+        prefill_attention_pairs: int | None,
+    ) -> tuple[int, int, int]:
+        """(rows through the layers' linears, rows through the lm_head, attention pairs)."""
+        for name, v in (
+            ("decode_batch", decode_batch),
+            ("kv_tokens", kv_tokens),
+            ("prefill_tokens", prefill_tokens),
+        ):
+            if v < 0:
+                raise ValueError(f"{name}={v}: must be >= 0")
+        seqs = (1 if prefill_tokens else 0) if prefill_sequences is None else prefill_sequences
+        # Causal attention inside the prefill chunk(s): as one prompt unless told.
+        pairs = (
+            prefill_tokens * (prefill_tokens + 1) // 2
+            if prefill_attention_pairs is None
+            else prefill_attention_pairs
+        )
+        # Logits are taken at each sequence's last position only.
+        return decode_batch + prefill_tokens, decode_batch + seqs, kv_tokens + pairs
+
     def bounds_s(
         self,
         *,
         decode_batch: int,
         kv_tokens: int,
         prefill_tokens: int = 0,
+        prefill_sequences: int | None = None,
         prefill_attention_pairs: int | None = None,
     ) -> tuple[float, float]:
         """(memory-bound time, compute-bound time) of one step on one device, ideal."""
         m = self.model
-        rows = decode_batch + prefill_tokens
+        rows, head_rows, pairs = self._shape(
+            decode_batch, kv_tokens, prefill_tokens, prefill_sequences, prefill_attention_pairs
+        )
         if rows <= 0:
             return 0.0, 0.0
-        pairs = kv_tokens + self._prefill_pairs(prefill_tokens, prefill_attention_pairs)
         kv_moved = (kv_tokens + prefill_tokens) * self.kv_bytes_per_token_per_device
         mem_bytes = self.weight_bytes_read_per_device + kv_moved
-        flops = (2 * m.matmul_params * rows + 4 * m.layers * m.heads * m.head_dim * pairs) / self.tp
+        head = m.embedding_params
+        matmul_flops = 2 * ((m.matmul_params - head) * rows + head * head_rows)
+        flops = (matmul_flops + 4 * m.layers * m.heads * m.head_dim * pairs) / self.tp
         return mem_bytes / self.hardware.mem_bandwidth, flops / self.peak_flops
-
-    @staticmethod
-    def _prefill_pairs(prefill_tokens: int, given: int | None) -> int:
-        # Query-key pairs of the prefill's causal attention; as one prompt unless told.
-        if given is not None:
-            return given
-        return prefill_tokens * (prefill_tokens + 1) // 2
 
     def step_time_detailed_s(
         self,
@@ -229,18 +252,16 @@ class Roofline:
         decode_batch: int,
         kv_tokens: int,
         prefill_tokens: int = 0,
+        prefill_sequences: int | None = None,
         prefill_attention_pairs: int | None = None,
     ) -> float:
         """One engine step: ``decode_batch`` sequences reading ``kv_tokens`` cached tokens in
-        total (the sum of their context lengths), plus ``prefill_tokens`` prompt tokens in
-        the same forward pass (``prefill_attention_pairs``: their query-key pairs; default
-        as if one prompt)."""
-        if decode_batch < 0 or kv_tokens < 0 or prefill_tokens < 0:
-            raise ValueError(
-                f"decode_batch={decode_batch}, kv_tokens={kv_tokens}, "
-                f"prefill_tokens={prefill_tokens}: must be >= 0"
-            )
-        rows = decode_batch + prefill_tokens
+        total (the sum of the context lengths each one attends to), plus ``prefill_tokens``
+        prompt tokens of ``prefill_sequences`` prompts (default 1) in the same forward pass;
+        ``prefill_attention_pairs``: their causal query-key pairs (default: one prompt)."""
+        rows, head_rows, pairs = self._shape(
+            decode_batch, kv_tokens, prefill_tokens, prefill_sequences, prefill_attention_pairs
+        )
         if rows == 0:
             return 0.0
         comm = self.all_reduce_s(rows)
@@ -249,32 +270,28 @@ class Roofline:
                 decode_batch=decode_batch,
                 kv_tokens=kv_tokens,
                 prefill_tokens=prefill_tokens,
+                prefill_sequences=prefill_sequences,
                 prefill_attention_pairs=prefill_attention_pairs,
             )
             return max(mem_s, comp_s) + comm
-        return (
-            self._calibrated_step_s(
-                decode_batch, kv_tokens, prefill_tokens, prefill_attention_pairs
-            )
-            + comm
-        )
-
-    def _calibrated_step_s(
-        self, decode_batch: int, kv_tokens: int, prefill_tokens: int, pairs: int | None
-    ) -> float:
         m = self.model
         prof = self.hardware.decode[self.dtype]
-        rows = decode_batch + prefill_tokens
-        linear_s = self.weight_bytes_read_per_device / prof.weight_rate_at(rows)
+        bpe = self.bytes_per_elem
+        head_bytes = m.embedding_params * bpe / self.tp
+        layer_bytes = self.weight_bytes_read_per_device - head_bytes
+        linear_s = layer_bytes / prof.weight_rate_at(rows)
+        if head_rows:
+            linear_s += head_bytes / prof.weight_rate_at(head_rows)
         attn_s = 0.0
         if decode_batch > 0 and kv_tokens > 0:
             kv_bytes = kv_tokens * self.kv_bytes_per_token_per_device
             attn_s += kv_bytes / prof.kv_rate_at(decode_batch)
-        if prefill_tokens > 0:
-            p = self._prefill_pairs(prefill_tokens, pairs)
-            attn_s += 4 * m.layers * m.heads * m.head_dim * p / self.tp / self.peak_flops
+        prefill_pairs = pairs - kv_tokens
+        if prefill_pairs > 0:
+            flops = 4 * m.layers * m.heads * m.head_dim * prefill_pairs / self.tp
+            attn_s += flops / self.peak_flops
         overhead_s = prof.op_overhead_s * OPS_PER_LAYER * m.layers
-        return linear_s + attn_s + overhead_s
+        return linear_s + attn_s + overhead_s + comm
 
     def step_time_s(self, batch: int, *, context: int | None = None) -> float:
         """One decode step of ``batch`` sequences, each at ``context`` cached tokens."""
@@ -419,7 +436,7 @@ class RooflineAnalysis:
             else ""
         )
         lines.append(
-            f"Operate at B={op.batch}: TPOT {op.tpot_s * 1e3:.1f} ms <= {slo_ms:g} ms, "
+            f"Operate at B={op.batch}: TPOT {op.tpot_s * 1e3:.2f} ms <= {slo_ms:g} ms, "
             f"{op.tokens_per_s:,.0f} tokens/s{cost}."
         )
         if op.limited_by == "memory":
@@ -430,7 +447,7 @@ class RooflineAnalysis:
         elif op.limited_by == "slo":
             nxt = self.at(op.batch + 1)
             lines.append(
-                f"The SLO caps it: B={op.batch + 1} would take {nxt.tpot_s * 1e3:.1f} ms"
+                f"The SLO caps it: B={op.batch + 1} would take {nxt.tpot_s * 1e3:.2f} ms"
                 + (
                     " (past the knee each sequence costs more latency)."
                     if op.batch >= knee

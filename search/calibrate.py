@@ -1,0 +1,324 @@
+"""Calibrate the local device: what it really does at the shapes decode runs.
+
+Measures, with torch on the CPU (or the first CUDA device):
+
+- sustained memory bandwidth: a reduction over a tensor far larger than the
+  caches, filled first (untouched pages read as one shared zero page and lie);
+- dense matmul peak FLOP/s per dtype (square GEMMs);
+- at decode shapes, per dtype: the rate at which a model's linear layers consume
+  weight bytes at batch 1..256 (every linear of the reference model in turn, so
+  the working set is the model's and nothing stays cached between passes), the
+  rate at which decode attention reads the KV cache (the serving model's layout:
+  cache ``[slots, len, kv_heads, head_dim]`` read through a transposed view,
+  grouped-query SDPA with a boolean mask), and the fixed cost of one small op.
+
+The result is a :class:`~search.hardware.HardwareSpec` whose ``decode``
+profiles let :class:`~search.roofline.Roofline` predict a real decode step on
+this device. Writing it to disk is the caller's job (the CLI).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from search.hardware import BYTES_PER_ELEM, DecodeProfile, HardwareSpec
+from search.models import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationPlan:
+    """How much to measure. Presets: ``full`` (~10-30 s on 2 CPU cores), ``quick`` (tests)."""
+
+    name: str = "full"
+    bandwidth_bytes: int = 1 << 30
+    matmul_n: int = 4096
+    weight_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    kv_batches: tuple[int, ...] = (1, 4, 16, 64, 256)
+    context: int = 256
+    reps: int = 3
+    overhead_iters: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes < 1 << 20:
+            raise ValueError(f"bandwidth_bytes={self.bandwidth_bytes}: must be >= 1 MiB")
+        for name in ("matmul_n", "context", "reps", "overhead_iters"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be a positive integer")
+        for name in ("weight_batches", "kv_batches"):
+            v = getattr(self, name)
+            if not v or any(b < 1 for b in v) or list(v) != sorted(set(v)):
+                raise ValueError(f"{name}={v!r}: must be ascending distinct batches >= 1")
+
+    @classmethod
+    def from_name(cls, name: str) -> CalibrationPlan:
+        if name not in PLANS:
+            raise ValueError(f"calibration plan {name!r}: allowed: {', '.join(PLANS)}")
+        return PLANS[name]
+
+
+PLANS = {
+    "full": CalibrationPlan(),
+    "quick": CalibrationPlan(
+        name="quick",
+        bandwidth_bytes=256 << 20,
+        matmul_n=1024,
+        weight_batches=(1, 8, 64),
+        kv_batches=(1, 8),
+        context=64,
+        reps=2,
+        overhead_iters=300,
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    spec: HardwareSpec
+    measured: dict[str, Any] = field(default_factory=dict)  # human-readable detail
+    elapsed_s: float = 0.0
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device={device!r}: allowed: cpu, cuda, cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: torch sees no CUDA device; allowed: cpu")
+    return torch.device(device)
+
+
+def device_label(dev: torch.device) -> str:
+    """A short name for the device, e.g. ``cpu-amd-epyc`` or ``cuda-nvidia-h100-80gb-hbm3``."""
+    if dev.type == "cuda":
+        raw = torch.cuda.get_device_name(dev)
+    else:
+        raw = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    raw = line.split(":", 1)[1]
+                    break
+        except OSError:
+            pass
+    slug = re.sub(r"[^a-z0-9]+", "-", raw.lower()).strip("-")
+    return f"{dev.type}-{slug}"[:60]
+
+
+def default_cache_path(dev: torch.device) -> Path:
+    """``$XDG_CACHE_HOME/slotune/hardware-<host>-<device>.json``."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotune"
+    host = re.sub(r"[^A-Za-z0-9_.-]+", "-", platform.node() or "host")
+    return base / f"hardware-{host}-{device_label(dev)}.json"
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    _sync(dev)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(dev: torch.device, nbytes: int, reps: int) -> float:
+    """Bytes/s of a full read (sum) of a filled fp32 tensor of ``nbytes``."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=dev)  # [N]
+    x.fill_(1.0)  # touch every page: zero pages would read from one cached page
+    t = _time(lambda: x.sum(), dev, reps)
+    return x.numel() * 4 / t
+
+
+def measure_matmul_peak(dev: torch.device, dtype: str, n: int, reps: int) -> float:
+    """Dense FLOP/s of an n x n @ n x n matmul."""
+    dt = TORCH_DTYPES[dtype]
+    a = torch.randn(n, n, device=dev).to(dt)  # [n, n]
+    b = torch.randn(n, n, device=dev).to(dt)  # [n, n]
+    t = _time(lambda: a @ b, dev, reps)
+    return 2.0 * n**3 / t
+
+
+def _linear_shapes(model: ModelSpec) -> list[tuple[int, int]]:
+    """(out, in) of every linear one decode step runs, in order, lm_head last."""
+    m = model
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    layer = [
+        (q, m.hidden),
+        (kv, m.hidden),
+        (kv, m.hidden),
+        (m.hidden, q),
+        (m.intermediate, m.hidden),
+        (m.intermediate, m.hidden),
+        (m.hidden, m.intermediate),
+    ]
+    return layer * m.layers + [(m.vocab, m.hidden)]
+
+
+def measure_weight_rate(
+    dev: torch.device, dtype: str, model: ModelSpec, batches: Sequence[int], reps: int
+) -> dict[int, float]:
+    """batch -> weight bytes/s that the model's linears consume at that batch."""
+    dt = TORCH_DTYPES[dtype]
+    shapes = _linear_shapes(model)
+    weights = [torch.empty(o, i, device=dev, dtype=dt).normal_(0, 0.02) for o, i in shapes]
+    total = sum(w.numel() for w in weights) * BYTES_PER_ELEM[dtype]
+    out: dict[int, float] = {}
+    for b in batches:
+        xs = {i: torch.randn(b, i, device=dev).to(dt) for i in {i for _, i in shapes}}  # [B, in]
+
+        def run(xs: dict[int, torch.Tensor] = xs) -> None:
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)  # [B, out]
+
+        out[b] = total / _time(run, dev, reps)
+        logger.info("%s weight rate at B=%d: %.2f GB/s", dtype, b, out[b] / 1e9)
+    return out
+
+
+def measure_kv_rate(
+    dev: torch.device,
+    dtype: str,
+    model: ModelSpec,
+    batches: Sequence[int],
+    context: int,
+    reps: int,
+) -> dict[int, float]:
+    """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each)."""
+    dt = TORCH_DTYPES[dtype]
+    m = model
+    out: dict[int, float] = {}
+    for b in batches:
+        # One cache pair per layer, as the serving model holds it: [S, L, Hkv, D].
+        caches = [
+            (
+                torch.empty(b, context, m.kv_heads, m.head_dim, device=dev, dtype=dt).normal_(),
+                torch.empty(b, context, m.kv_heads, m.head_dim, device=dev, dtype=dt).normal_(),
+            )
+            for _ in range(m.layers)
+        ]
+        q = torch.randn(b, m.heads, 1, m.head_dim, device=dev).to(dt)  # [B, H, 1, D]
+        mask = torch.ones(b, 1, 1, context, dtype=torch.bool, device=dev)  # [B, 1, 1, Lk]
+
+        def run(caches: list = caches, q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
+            for k, v in caches:
+                F.scaled_dot_product_attention(
+                    q,
+                    k.transpose(1, 2),  # [B, Hkv, Lk, D]
+                    v.transpose(1, 2),  # [B, Hkv, Lk, D]
+                    attn_mask=mask,
+                    enable_gqa=True,
+                )  # [B, H, 1, D]
+
+        nbytes = b * context * m.kv_bytes_per_token(BYTES_PER_ELEM[dtype])
+        out[b] = nbytes / _time(run, dev, reps)
+        logger.info("%s KV rate at B=%d: %.2f GB/s", dtype, b, out[b] / 1e9)
+        del caches
+    return out
+
+
+def measure_op_overhead(dev: torch.device, hidden: int, iters: int) -> float:
+    """Seconds per small elementwise op on a [1, hidden] tensor (dispatch / launch cost)."""
+    a = torch.randn(1, hidden, device=dev)  # [1, hidden]
+    b = torch.randn(1, hidden, device=dev)  # [1, hidden]
+
+    def run() -> None:
+        for _ in range(iters):
+            torch.mul(a, b)
+
+    return _time(run, dev, 3) / iters
+
+
+def calibrate(
+    *,
+    device: str | None = None,
+    plan: CalibrationPlan | None = None,
+    model: ModelSpec | None = None,
+    dtypes: Sequence[str] = ("fp32", "bf16"),
+    name: str | None = None,
+) -> Calibration:
+    """Measure the device; the decode shapes are ``model``'s (default ``slotune-small``)."""
+    plan = plan or PLANS["full"]
+    model = model or ModelSpec.from_name("slotune-small")
+    for d in dtypes:
+        if d not in TORCH_DTYPES:
+            raise ValueError(f"dtype={d!r}: allowed: {', '.join(TORCH_DTYPES)}")
+    dev = pick_device(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        bw = measure_bandwidth(dev, plan.bandwidth_bytes, plan.reps)
+        logger.info("memory bandwidth: %.1f GB/s", bw / 1e9)
+        overhead = measure_op_overhead(dev, model.hidden, plan.overhead_iters)
+        peaks: dict[str, float] = {}
+        decode: dict[str, DecodeProfile] = {}
+        for d in dtypes:
+            peaks[d] = measure_matmul_peak(dev, d, plan.matmul_n, plan.reps)
+            logger.info("%s matmul peak: %.1f GFLOP/s", d, peaks[d] / 1e9)
+            wr = measure_weight_rate(dev, d, model, plan.weight_batches, plan.reps)
+            kr = measure_kv_rate(dev, d, model, plan.kv_batches, plan.context, plan.reps)
+            decode[d] = DecodeProfile(weight_rate=wr, kv_rate=kr, op_overhead_s=overhead)
+    elapsed = time.perf_counter() - t0
+    if dev.type == "cuda":
+        capacity = float(torch.cuda.get_device_properties(dev).total_memory)
+    else:
+        capacity = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    label = device_label(dev)
+    threads = torch.get_num_threads()
+    spec = HardwareSpec(
+        name=name or f"{label}-{platform.node() or 'host'}",
+        peak_flops=peaks,
+        mem_bandwidth=bw,
+        mem_capacity=capacity,
+        decode=decode,
+        source=(
+            f"slotune calibrate ({plan.name}) {time.strftime('%Y-%m-%d %H:%M:%S')} on {label}, "
+            f"torch {torch.__version__}, {threads} threads, decode shapes of {model.name}"
+        ),
+    )
+    measured = {
+        "device": label,
+        "threads": threads,
+        "plan": plan.name,
+        "model": model.name,
+        "context": plan.context,
+        "mem_bandwidth_gb_s": bw / 1e9,
+        "op_overhead_us": overhead * 1e6,
+        "matmul_gflop_s": {d: peaks[d] / 1e9 for d in dtypes},
+        "decode_linear_gb_s": {
+            d: {b: r / 1e9 for b, r in decode[d].weight_rate.items()} for d in dtypes
+        },
+        "decode_linear_gflop_s": {
+            d: {b: 2 * b * r / BYTES_PER_ELEM[d] / 1e9 for b, r in decode[d].weight_rate.items()}
+            for d in dtypes
+        },
+        "decode_attention_kv_gb_s": {
+            d: {b: r / 1e9 for b, r in decode[d].kv_rate.items()} for d in dtypes
+        },
+        "elapsed_s": elapsed,
+    }
+    return Calibration(spec=spec, measured=measured, elapsed_s=elapsed)
