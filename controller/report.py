@@ -185,11 +185,26 @@ class CurveReport:
 
     @property
     def chosen(self) -> TrialRecord | None:
-        """The feasible trial with the most goodput (ties: more tokens/s, then smaller batch)."""
-        ok = [t for t in self.trials if t.feasible and math.isfinite(t.goodput_rps)]
-        if not ok:
-            return None
-        return max(ok, key=lambda t: (t.goodput_rps, t.tokens_per_s, -t.max_batch_size))
+        """The operating point: among knobs whose every measurement met the SLO, the one with
+        the most mean goodput (ties: the earliest measured); its latest measurement is shown.
+        The same rule as the tuner's incumbent (``search.stop_rule.incumbent``)."""
+        groups: dict[tuple[int, int], list[TrialRecord]] = {}
+        for t in self.trials:
+            groups.setdefault((t.max_batch_size, t.max_concurrency), []).append(t)
+        best: tuple[float, int] | None = None
+        pick: TrialRecord | None = None
+        for ts in groups.values():
+            if not all(t.feasible and math.isfinite(t.goodput_rps) for t in ts):
+                continue
+            key = (sum(t.goodput_rps for t in ts) / len(ts), -min(t.number for t in ts))
+            if best is None or key > best:
+                best, pick = key, max(ts, key=lambda t: t.number)
+        return pick
+
+    def measurements_of(self, t: TrialRecord) -> list[TrialRecord]:
+        """Every trial of the same knobs as ``t``."""
+        k = (t.max_batch_size, t.max_concurrency)
+        return [x for x in self.trials if (x.max_batch_size, x.max_concurrency) == k]
 
     def predicted_at(self, batch: int) -> PredictedPoint | None:
         """The predicted point at ``batch`` (linear interpolation between curve points)."""
@@ -216,6 +231,7 @@ class CurveReport:
         c = self.chosen
         if c is None:
             return None
+        same = self.measurements_of(c)
         return {
             "max_batch_size": c.max_batch_size,
             "max_concurrency": c.max_concurrency,
@@ -229,6 +245,8 @@ class CurveReport:
             "ttft_samples": c.ttft_samples,
             "tpot_samples": c.tpot_samples,
             "roofline_fraction": self.roofline_fraction(c),
+            "measurements": len(same),
+            "mean_goodput_rps": sum(t.goodput_rps for t in same) / len(same),
         }
 
     def slo_cut_predicted(self) -> PredictedPoint | None:

@@ -96,6 +96,21 @@ def test_chosen_point_is_the_best_feasible_never_an_infeasible_one() -> None:
     assert no.chosen is None and no.operating_point() is None
 
 
+def test_a_knob_that_failed_one_of_its_measurements_is_not_chosen() -> None:
+    r = sample_report(
+        [
+            trial(0, 64, 64, 1500.0, 14.0, 48.0, True),
+            trial(1, 16, 16, 700.0, 10.0, 30.0, True),
+            trial(2, 64, 64, 1450.0, 13.0, 52.0, False),  # the re-measure missed the SLO
+            trial(3, 16, 16, 720.0, 11.0, 31.0, True),
+        ]
+    )
+    c = r.chosen
+    assert c is not None and (c.max_batch_size, c.number) == (16, 3)
+    op = r.operating_point()
+    assert op["measurements"] == 2 and op["mean_goodput_rps"] == pytest.approx(10.5)
+
+
 def test_cost_formula() -> None:
     # $2/h at 1000 tokens/s: 3.6M tokens an hour → $0.556 per million
     assert usd_per_million_tokens(2.0, 1000.0) == pytest.approx(0.5555555, rel=1e-6)

@@ -1,0 +1,298 @@
+"""What the canary loop tunes: a :class:`Target` applies knobs and measures one window.
+
+:class:`RayServeTarget` is a live Ray Serve deployment of ``serving.app:app``:
+knobs are applied in place (``serving.deploy.update_knobs``: ``user_config``
+and ``max_ongoing_requests``, no replica restart), the load generator offers a
+saturating closed loop at the candidate's admission limit, and the window's
+:class:`~metrics.observation.Observation` is read from Prometheus-format metrics
+(Ray's metrics export port scraped directly, or a Prometheus server). The
+load generator's own view of the same window rides along as a cross-check.
+
+The simulator target (``controller/sim_target.py``) implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from controller.loadgen import (
+    LengthDist,
+    LoadResult,
+    RequestRecord,
+    TraceItem,
+    client_observation,
+    completions_url,
+    run_load,
+    saturating_spec,
+)
+from metrics.observation import Observation, Slo
+
+log = logging.getLogger(__name__)
+
+
+class TargetUnavailable(RuntimeError):
+    """A transient failure (metrics endpoint down, a timeout): the loop retries the window."""
+
+
+class TargetError(RuntimeError):
+    """A permanent failure (the deployment is gone, an update was refused): stop the run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One measurement window: the server's Observation and the client's cross-check."""
+
+    observation: Observation
+    client: Observation | None = None
+    client_errors: int = 0
+    note: str = ""
+
+
+@runtime_checkable
+class Target(Protocol):
+    """Anything the canary loop can tune (a Ray Serve deployment, the simulator)."""
+
+    def current_knobs(self) -> Any | None:
+        """The knobs the target runs on now (``search.space.Knobs``), None if unknown."""
+        ...
+
+    def apply(self, knobs: Any) -> None:
+        """Apply ``knobs`` live and return once they are in effect."""
+        ...
+
+    def measure(self, knobs: Any) -> Measurement:
+        """Warm up on the applied knobs, then measure one window under saturating load."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What is being tuned, for the report (model, hardware, endpoint...)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowPlan:
+    """How long to warm up and measure. The window runs at least ``window_s`` and then
+    until the client has seen ``min_requests`` completions (a p99 verdict needs ~300
+    requests at 95% confidence) or ``max_window_s`` has passed."""
+
+    warmup_s: float = 3.0
+    window_s: float = 8.0
+    max_window_s: float = 30.0
+    min_requests: int = 300
+    poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_s", "window_s", "max_window_s", "poll_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v!r}: must be a finite number of seconds >= 0")
+        if self.window_s <= 0:
+            raise ValueError(f"window_s={self.window_s!r}: must be > 0")
+        if self.max_window_s < self.window_s:
+            raise ValueError(
+                f"max_window_s={self.max_window_s!r}: must be >= window_s={self.window_s}"
+            )
+        if not (isinstance(self.min_requests, int) and self.min_requests >= 0):
+            raise ValueError(f"min_requests={self.min_requests!r}: must be an integer >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestShape:
+    """What each request of the offered load looks like."""
+
+    prompt_tokens: LengthDist = field(default_factory=lambda: LengthDist(mean=32))
+    output_tokens: LengthDist = field(default_factory=lambda: LengthDist(mean=16))
+    trace: tuple[TraceItem, ...] | None = None
+    model: str = "slotune"
+    request_timeout_s: float = 60.0
+    seed: int = 0
+
+
+class WindowReader(Protocol):
+    """Reads the server-side Observation of [begin, end] from a metrics source."""
+
+    def begin(self) -> Any: ...
+
+    def end(self, token: Any, *, start_s: float, end_s: float) -> Observation: ...
+
+
+class ScrapeWindow:
+    """Two scrapes of a Prometheus text endpoint (``metrics.sources.ScrapeSource``)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def begin(self) -> Any:
+        return _transient(self.source.snapshot)
+
+    def end(self, token: Any, *, start_s: float, end_s: float) -> Observation:
+        snap = _transient(self.source.snapshot)
+        return _transient(lambda: self.source.observe(token, snap))
+
+
+class PromQLWindow:
+    """A range query to a Prometheus server (``metrics.sources.PromQLSource``), made after
+    waiting ``lag_s`` (two scrape intervals) so the window's last samples are stored."""
+
+    def __init__(self, source: Any, *, lag_s: float = 2.0) -> None:
+        self.source = source
+        self.lag_s = lag_s
+
+    def begin(self) -> Any:
+        return None
+
+    def end(self, token: Any, *, start_s: float, end_s: float) -> Observation:
+        time.sleep(self.lag_s)
+        return _transient(lambda: self.source.observe_range(window_s=end_s - start_s, end_s=end_s))
+
+
+def _transient(fn: Any) -> Any:
+    """Call ``fn``; a ``MetricsUnavailable`` (or a connection error) becomes TargetUnavailable."""
+    from metrics.sources import MetricsUnavailable
+
+    try:
+        return fn()
+    except (MetricsUnavailable, OSError) as e:
+        raise TargetUnavailable(f"metrics unavailable: {e}") from e
+
+
+async def measure_window(
+    *,
+    url: str,
+    knobs: Any,
+    slo: Slo,
+    plan: WindowPlan,
+    shape: RequestShape,
+    reader: WindowReader,
+) -> Measurement:
+    """Saturating load at the knobs' admission limit; warm up, then read one window."""
+    spec = saturating_spec(
+        completions_url(url),
+        max_concurrency=int(knobs.max_concurrency),
+        duration_s=plan.warmup_s + plan.max_window_s + 60.0,
+        prompt_tokens=shape.prompt_tokens,
+        output_tokens=shape.output_tokens,
+        trace=shape.trace,
+        model=shape.model,
+        request_timeout_s=shape.request_timeout_s,
+        seed=shape.seed,
+    )
+    stop = asyncio.Event()
+    done: list[RequestRecord] = []
+    load = asyncio.create_task(run_load(spec, stop=stop, on_record=done.append))
+    try:
+        await _sleep_unless(load, plan.warmup_s)
+        token = await asyncio.to_thread(reader.begin)
+        t0 = time.time()
+        while not load.done():
+            await asyncio.sleep(plan.poll_s)
+            elapsed = time.time() - t0
+            n = sum(r.ok and r.done_s >= t0 for r in done)
+            if elapsed >= plan.max_window_s or (
+                elapsed >= plan.window_s and n >= plan.min_requests
+            ):
+                break
+        t1 = time.time()
+        obs = await asyncio.to_thread(reader.end, token, start_s=t0, end_s=t1)
+    finally:
+        stop.set()
+        result: LoadResult = await load
+    window = result.between(t0, t1)
+    client = client_observation(window, slo)
+    client = _with_times(client, t0, t1)
+    note = ""
+    if obs.completed == 0:
+        note = "no completed requests in the window"
+        if result.errors:
+            first = next(r for r in result.records if not r.ok and not r.rejected)
+            note += f" ({result.errors} client errors, e.g. {first.error[:120]})"
+    return Measurement(observation=obs, client=client, client_errors=window.errors, note=note)
+
+
+def _with_times(obs: Observation, start_s: float, end_s: float) -> Observation:
+    from dataclasses import replace
+
+    return replace(obs, start_s=start_s, end_s=end_s)
+
+
+async def _sleep_unless(task: asyncio.Task[Any], seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.wait({task}, timeout=seconds)
+    if task.done() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
+class RayServeTarget:
+    """A live deployment of ``serving.app:app`` on a Ray cluster this process is attached to."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        app_name: str,
+        slo: Slo,
+        reader: WindowReader,
+        plan: WindowPlan | None = None,
+        shape: RequestShape | None = None,
+        describe: dict[str, Any] | None = None,
+        apply_timeout_s: float = 60.0,
+    ) -> None:
+        self.url = url
+        self.app_name = app_name
+        self.slo = slo
+        self.reader = reader
+        self.plan = plan or WindowPlan()
+        self.shape = shape or RequestShape()
+        self._describe = dict(describe or {})
+        self.apply_timeout_s = apply_timeout_s
+
+    def current_knobs(self) -> Any | None:
+        from search.space import Knobs
+        from serving.deploy import replica_states
+
+        try:
+            states = replica_states(self.app_name)
+        except Exception as e:  # a read for information only
+            log.warning("could not read the current knobs of %r: %s", self.app_name, e)
+            return None
+        if not states:
+            return None
+        s = states[0]
+        try:
+            return Knobs(max_batch_size=s.max_batch_size, max_concurrency=s.max_ongoing_requests)
+        except ValueError:
+            return None
+
+    def apply(self, knobs: Any) -> None:
+        from serving.deploy import DeployError, update_knobs
+
+        try:
+            update_knobs(
+                max_batch_size=int(knobs.max_batch_size),
+                max_ongoing_requests=int(knobs.max_concurrency),
+                slo=self.slo,
+                app_name=self.app_name,
+                timeout_s=self.apply_timeout_s,
+            )
+        except (DeployError, ValueError) as e:
+            raise TargetError(f"applying {knobs} to app {self.app_name!r} failed: {e}") from e
+
+    def measure(self, knobs: Any) -> Measurement:
+        return asyncio.run(
+            measure_window(
+                url=self.url,
+                knobs=knobs,
+                slo=self.slo,
+                plan=self.plan,
+                shape=self.shape,
+                reader=self.reader,
+            )
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"target": "ray-serve", "app": self.app_name, "url": self.url, **self._describe}

@@ -1,0 +1,414 @@
+"""The canary loop: propose → apply live → warm up → measure one window → report → stop.
+
+:func:`run_tune` owns the loop; the tuner (``search.tuner.Tuner``) owns what to try
+next and when the best point is stable; the target applies and measures. Per trial
+it records a :class:`~controller.report.TrialRecord` (server-side Observation plus
+the load generator's cross-check), appends it to ``trials.jsonl`` and stores it in
+the study, so ``slotune export`` rebuilds the report from the study alone.
+
+Faults end the run cleanly: a transient measurement failure is retried
+``retries`` times, then the run stops; a permanent target failure and Ctrl-C
+stop it at once. In every case the pending trial is marked failed, the
+best-so-far report is exported, and the deployment is left on the last
+known-good knobs: the best feasible point measured, else the knobs it had
+before tuning — never an untested or infeasible one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from controller.report import CurveReport, TrialRecord, write_report
+from controller.targets import Measurement, TargetError, TargetUnavailable
+from metrics.observation import Observation
+
+log = logging.getLogger(__name__)
+
+STUDY_META_KEY = "slotune.report"
+STUDY_TRIAL_PREFIX = "slotune.trial."
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneLimits:
+    """When the loop stops, besides the tuner's own stop rule."""
+
+    max_trials: int = 20
+    time_budget_s: float = 300.0
+    retries: int = 2  # transient measurement failures per trial before the run stops
+    retry_wait_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_trials, int) and self.max_trials >= 1):
+            raise ValueError(f"max_trials={self.max_trials!r}: must be an integer >= 1")
+        if not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
+            raise ValueError(f"time_budget_s={self.time_budget_s!r}: must be > 0 seconds")
+        if not (isinstance(self.retries, int) and self.retries >= 0):
+            raise ValueError(f"retries={self.retries!r}: must be an integer >= 0")
+        if not (math.isfinite(self.retry_wait_s) and self.retry_wait_s >= 0):
+            raise ValueError(f"retry_wait_s={self.retry_wait_s!r}: must be >= 0 seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOutcome:
+    report: CurveReport
+    stop_reason: str
+    aborted: str = ""  # why a fault or Ctrl-C ended the run ("" when it ended normally)
+    interrupted: bool = False  # Ctrl-C
+    final_knobs: Any | None = None  # what the deployment was left on
+    final_note: str = ""
+    paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.report.chosen is not None
+
+
+class TunerLike(Protocol):
+    def propose(self) -> Any: ...
+
+    def report(self, knobs: Any, observation: Observation) -> Any: ...
+
+    def should_stop(self) -> bool: ...
+
+    def fail_pending(self, reason: str) -> None: ...
+
+
+class Progress:
+    """No display (``--quiet``); subclass hooks are called around each trial."""
+
+    def begin(self, n: int, total: int, knobs: Any) -> None:
+        pass
+
+    def end(self, rec: TrialRecord, best: TrialRecord | None, total: int) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress(Progress):
+    """A live display on stderr: a spinner while a trial runs, one line per trial after."""
+
+    def __init__(self, slo: Any) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+        self.slo = slo
+        self._status: Any = None
+        self._n = 0
+
+    def begin(self, n: int, total: int, knobs: Any) -> None:
+        self._n = n
+        self._status = self.console.status(
+            f"trial {n}/{total}: applying and measuring batch={knobs.max_batch_size} "
+            f"concurrency={knobs.max_concurrency} ..."
+        )
+        self._status.start()
+
+    def _stop_status(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def end(self, rec: TrialRecord, best: TrialRecord | None, total: int) -> None:
+        self._stop_status()
+
+        def mark(v: str) -> str:
+            return {"met": "[green]ok[/]", "violated": "[red]miss[/]"}.get(v, "[yellow]?[/]")
+
+        s = self.slo
+        line = (
+            f"trial {self._n:>2}/{total}  B={rec.max_batch_size:<4} "
+            f"C={rec.max_concurrency:<4} "
+            f"p99 TTFT {rec.p99_ttft_ms:7.1f}/{s.ttft_p99_s * 1e3:.0f} ms "
+            f"{mark(rec.ttft_verdict)}  "
+            f"p99 TPOT {rec.p99_tpot_ms:6.1f}/{s.tpot_p99_s * 1e3:.0f} ms "
+            f"{mark(rec.tpot_verdict)}  "
+            f"goodput {rec.goodput_rps:6.2f} req/s  {rec.tokens_per_s:7.0f} tok/s  "
+            f"n={rec.completed}  [{rec.wall_s:.0f} s]"
+        )
+        if best is not None:
+            line += f"  best: B={best.max_batch_size},C={best.max_concurrency}"
+        if rec.note:
+            line += f"\n      [dim]{rec.note}[/]"
+        self.console.print(line)
+
+    def message(self, text: str) -> None:
+        self._stop_status()
+        self.console.print(text)
+
+    def close(self) -> None:
+        self._stop_status()
+
+
+def _as_measurement(x: Any) -> Measurement:
+    return x if isinstance(x, Measurement) else Measurement(observation=x)
+
+
+def _study(tuner: Any) -> Any | None:
+    return getattr(tuner, "study", None)
+
+
+def _save_to_study(tuner: Any, key: str, value: dict[str, Any]) -> None:
+    study = _study(tuner)
+    if study is None:
+        return
+    try:
+        study.set_user_attr(key, value)
+    except Exception as e:  # storage trouble must not lose the run; the JSONL has it
+        log.warning("could not store %s in the study: %s", key, e)
+
+
+def run_tune(
+    *,
+    target: Any,
+    tuner: TunerLike,
+    base: CurveReport,
+    limits: TuneLimits,
+    out_dir: str | Path,
+    progress: Progress | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> TuneOutcome:
+    """Tune ``target`` until the stop rule, ``max_trials`` or the time budget; export the
+    report into ``out_dir`` and leave the target on the last known-good knobs."""
+    progress = progress or Progress()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "trials.jsonl"
+    _save_to_study(
+        tuner, STUDY_META_KEY, {k: v for k, v in base.to_dict().items() if k != "trials"}
+    )
+    current = getattr(target, "current_knobs", lambda: None)
+    original = current()
+    apply = getattr(target, "apply", None)
+    records: list[TrialRecord] = []
+    walls: list[float] = []
+    stop_reason = ""
+    aborted = ""
+    interrupted = False
+    t_start = clock()
+    total = limits.max_trials
+    try:
+        while True:
+            elapsed = clock() - t_start
+            if len(records) >= limits.max_trials:
+                stop_reason = f"max trials ({limits.max_trials}) reached"
+                break
+            # Start a trial only if a typical one still fits in the budget.
+            typical = statistics.median(walls) if walls else 0.0
+            if elapsed + typical > limits.time_budget_s:
+                stop_reason = (
+                    f"time budget ({limits.time_budget_s:.0f} s) spent after {elapsed:.0f} s"
+                )
+                break
+            if tuner.should_stop():
+                why = getattr(tuner, "stop_reason", lambda: None)()
+                stop_reason = f"stop rule: {why}" if why else "stop rule"
+                break
+            knobs = tuner.propose()
+            progress.begin(len(records) + 1, total, knobs)
+            t0 = clock()
+            if apply is not None:
+                apply(knobs)
+            m = _measure_with_retries(target, knobs, limits, progress, sleep)
+            told = tuner.report(knobs, m.observation)
+            number = int(getattr(told, "number", len(records)))
+            feasible = bool(getattr(told, "feasible", m.observation.feasible))
+            note = m.note or str(getattr(told, "reason", "") or "")
+            rec = TrialRecord.from_observation(
+                number=number,
+                knobs=knobs,
+                obs=m.observation,
+                feasible=feasible,
+                wall_s=clock() - t0,
+                client=m.client,
+                client_errors=m.client_errors,
+                note=note,
+            )
+            records.append(rec)
+            walls.append(rec.wall_s)
+            with jsonl.open("a") as f:
+                f.write(json.dumps({"t_unix": time.time(), **rec.to_dict()}) + "\n")
+            _save_to_study(tuner, f"{STUDY_TRIAL_PREFIX}{number:05d}", rec.to_dict())
+            progress.end(rec, base.with_trials(records).chosen, total)
+    except KeyboardInterrupt:
+        interrupted = True
+        aborted = "interrupted (Ctrl-C)"
+    except TargetUnavailable as e:
+        aborted = f"measurements unavailable after {limits.retries} retries: {e}"
+    except TargetError as e:
+        aborted = str(e)
+    if aborted:
+        stop_reason = f"aborted: {aborted}"
+        try:
+            tuner.fail_pending(aborted)
+        except Exception as e:  # the study must not hide the original fault
+            log.warning("could not mark the interrupted trial failed: %s", e)
+        progress.message(f"[red]{aborted}[/]: exporting the best so far")
+    report = base.with_trials(records, stop_reason=stop_reason)
+    final, note = _leave_on_known_good(report, original, apply, progress)
+    meta = dict(report.meta)
+    meta.update(
+        {
+            "trials": len(records),
+            "wall_s": round(clock() - t_start, 1),
+            "final_knobs": None if final is None else f"B={final[0]},C={final[1]}",
+            "final_note": note,
+        }
+    )
+    report = report.with_trials(records, meta=meta)
+    _save_to_study(
+        tuner, STUDY_META_KEY, {k: v for k, v in report.to_dict().items() if k != "trials"}
+    )
+    paths = write_report(report, out)
+    paths["trials.jsonl"] = jsonl
+    progress.close()
+    return TuneOutcome(
+        report=report,
+        stop_reason=stop_reason,
+        aborted=aborted,
+        interrupted=interrupted,
+        final_knobs=final,
+        final_note=note,
+        paths=paths,
+    )
+
+
+def _measure_with_retries(
+    target: Any, knobs: Any, limits: TuneLimits, progress: Progress, sleep: Callable[[float], None]
+) -> Measurement:
+    for attempt in range(limits.retries + 1):
+        try:
+            return _as_measurement(target.measure(knobs))
+        except TargetUnavailable as e:
+            if attempt == limits.retries:
+                raise
+            progress.message(
+                f"[yellow]{e}[/]: retrying the window ({attempt + 1}/{limits.retries})"
+            )
+            log.warning("transient measurement failure (%s); retry %d", e, attempt + 1)
+            sleep(limits.retry_wait_s)
+    raise AssertionError("unreachable")
+
+
+def _leave_on_known_good(
+    report: CurveReport,
+    original: Any | None,
+    apply: Callable[[Any], None] | None,
+    progress: Progress,
+) -> tuple[tuple[int, int] | None, str]:
+    """Apply the best feasible point measured, else the knobs from before tuning."""
+    chosen = report.chosen
+    if chosen is not None:
+        from search.space import Knobs
+
+        knobs: Any = Knobs(
+            max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency
+        )
+        why = f"left on the best feasible point measured (trial {chosen.number})"
+    elif original is not None:
+        knobs = original
+        why = "no feasible point: restored the knobs the deployment had before tuning"
+    else:
+        return None, "no feasible point and no earlier knobs known: deployment not changed"
+    if apply is None:
+        return (knobs.max_batch_size, knobs.max_concurrency), why + " (target has no apply)"
+    try:
+        apply(knobs)
+    except KeyboardInterrupt:
+        why = f"interrupted while applying {knobs}: check the deployment"
+    except Exception as e:  # report it: the run's result still stands
+        why = f"could not apply {knobs} ({e}): check the deployment"
+    progress.message(why)
+    log.info(why)
+    return (knobs.max_batch_size, knobs.max_concurrency), why
+
+
+def report_from_study(storage: str, study_name: str | None = None) -> CurveReport:
+    """Rebuild the :class:`CurveReport` of a stored study (``slotune export STUDY``).
+
+    Studies written by ``slotune tune`` carry every trial record and the report's
+    context in their user attributes; other slotune studies (``slotune simulate``)
+    are rebuilt from the tuner's per-trial attributes, with no prediction."""
+    import optuna
+
+    from metrics.observation import Slo
+    from search.tuner import open_storage
+
+    st = open_storage(storage)
+    names = optuna.get_all_study_names(st)
+    if study_name is None:
+        if len(names) != 1:
+            raise ValueError(f"storage {storage!r} holds studies {names}: name one with --study")
+        study_name = names[0]
+    if study_name not in names:
+        raise ValueError(f"study {study_name!r} not in {storage!r} (it holds {names})")
+    study = optuna.load_study(study_name=study_name, storage=st)
+    ua = study.user_attrs
+    trials = [
+        TrialRecord.from_dict(v) for k, v in sorted(ua.items()) if k.startswith(STUDY_TRIAL_PREFIX)
+    ]
+    meta = ua.get(STUDY_META_KEY)
+    if meta is not None:
+        return CurveReport.from_dict({**meta, "trials": [t.to_dict() for t in trials]})
+    # A study of the bare tuner: rebuild what its trial attributes hold.
+    slo = _slo_from_trials(study) or Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
+    recs = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        if "max_batch_size" not in a or t.state.name != "COMPLETE":
+            continue
+        recs.append(
+            TrialRecord(
+                number=t.number,
+                max_batch_size=int(a["max_batch_size"]),
+                max_concurrency=int(a["max_concurrency"]),
+                tokens_per_s=_f(a.get("tokens_per_s")),
+                goodput_rps=_f(a.get("goodput_rps")),
+                throughput_rps=_f(a.get("throughput_rps")),
+                completed=int(a.get("completed") or 0),
+                rejected=int(a.get("rejected") or 0),
+                p50_ttft_ms=_f(a.get("ttft_p50_s")) * 1e3,
+                p99_ttft_ms=_f(a.get("ttft_p99_s")) * 1e3,
+                p50_tpot_ms=_f(a.get("tpot_p50_s")) * 1e3,
+                p99_tpot_ms=_f(a.get("tpot_p99_s")) * 1e3,
+                ttft_verdict=str(a.get("ttft_verdict", "none")),
+                tpot_verdict=str(a.get("tpot_verdict", "none")),
+                ttft_samples=int(a.get("completed") or 0),
+                tpot_samples=int(a.get("completed") or 0),
+                feasible=bool(a.get("feasible", False)),
+                window_s=_f(a.get("window_s")),
+                note=str(a.get("reason", "")),
+            )
+        )
+    return CurveReport(slo=slo, trials=tuple(recs), meta={"study": study_name})
+
+
+def _f(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _slo_from_trials(study: Any) -> Any | None:
+    """The SLO a bare tuner study was run under, from its constraints (p99 − SLO)."""
+    from metrics.observation import Slo
+
+    for t in study.get_trials(deepcopy=False):
+        a, c = t.user_attrs, t.constraints
+        if a.get("ttft_p99_s") is not None and a.get("tpot_p99_s") is not None and c:
+            try:
+                return Slo(ttft_p99_s=a["ttft_p99_s"] - c[0], tpot_p99_s=a["tpot_p99_s"] - c[1])
+            except (ValueError, IndexError):
+                continue
+    return None

@@ -1,0 +1,303 @@
+"""The canary loop against a deterministic fake target and the real Optuna tuner."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from controller.report import CurveReport, PredictedPoint
+from controller.targets import Measurement, TargetError, TargetUnavailable
+from controller.tune import Progress, TuneLimits, report_from_study, run_tune
+from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
+from search.space import Knobs, SearchSpace
+from search.tuner import Tuner
+
+SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.040)
+OUT_TOKENS = 16
+
+
+def tpot_of(b: int) -> float:
+    return 0.010 + 0.0008 * b  # meets 40 ms up to batch 37
+
+
+class FakeTarget:
+    """Physics in closed form: TPOT grows with batch; queueing beyond the batch adds TTFT."""
+
+    def __init__(self, *, start: Knobs | None = None, window_s: float = 10.0, clock=None):
+        self.applied: list[Knobs] = []
+        self.measured: list[Knobs] = []
+        self.start = start
+        self.window_s = window_s
+        self.clock = clock
+        self.fail: dict[int, BaseException] = {}  # measurement index → exception to raise
+        self.empty: set[int] = set()
+
+    def current_knobs(self):
+        return self.start
+
+    def apply(self, knobs: Knobs) -> None:
+        self.applied.append(knobs)
+
+    def measure(self, knobs: Knobs) -> Measurement:
+        i = len(self.measured)
+        self.measured.append(knobs)
+        if self.clock is not None:
+            self.clock.t += self.window_s + 2.0
+        if i in self.fail:
+            raise self.fail[i]
+        b, c = knobs.max_batch_size, knobs.max_concurrency
+        tpot = tpot_of(b)
+        ttft = 0.05 + (c - b) / b * OUT_TOKENS * tpot
+        n = 0 if i in self.empty else int(b / tpot / OUT_TOKENS * self.window_s)
+
+        def verdict(x: float, thr: float) -> SloVerdict:
+            v = Verdict.INSUFFICIENT if n < 300 else (Verdict.MET if x <= thr else Verdict.VIOLATED)
+            return SloVerdict(verdict=v, threshold_s=thr, estimate_s=x, samples=n, confidence=0.95)
+
+        met = n if (tpot <= SLO.tpot_p99_s and ttft <= SLO.ttft_p99_s) else 0
+        obs = Observation(
+            start_s=1000.0,
+            end_s=1000.0 + self.window_s,
+            completed=n,
+            slo_met=met,
+            generated_tokens=n * OUT_TOKENS,
+            ttft=Percentiles(p50=ttft * 0.8, p99=ttft) if n else Percentiles(),
+            tpot=Percentiles(p50=tpot * 0.9, p99=tpot) if n else Percentiles(),
+            ttft_verdict=verdict(ttft, SLO.ttft_p99_s),
+            tpot_verdict=verdict(tpot, SLO.tpot_p99_s),
+            source="fake",
+        )
+        return Measurement(
+            observation=obs, client=obs, note="no completed requests" if not n else ""
+        )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_tuner(tmp_path: Path, *, seed_batch: int = 16, name: str = "t") -> Tuner:
+    return Tuner(
+        space=SearchSpace(batch_min=1, batch_max=64, headroom_max=2.0),
+        slo=SLO,
+        storage=str(tmp_path / "study.journal"),
+        study_name=name,
+        seed_knobs=[Knobs(max_batch_size=seed_batch, max_concurrency=seed_batch)],
+        model_tpot_s=lambda b: 0.008 + 0.0006 * b,  # the "peak roofline": optimistic
+        seed=0,
+    )
+
+
+def base() -> CurveReport:
+    pred = tuple(
+        PredictedPoint(batch=b, tpot_s=0.008 + 0.0006 * b, tokens_per_s=b / (0.008 + 0.0006 * b))
+        for b in (1, 2, 4, 8, 16, 32, 64)
+    )
+    return CurveReport(
+        slo=SLO, trials=(), predicted=pred, model="fake", hardware="fake-hw", usd_per_hour=1.0
+    )
+
+
+def run(tmp_path: Path, target: FakeTarget, **kw) -> object:
+    limits = kw.pop("limits", TuneLimits(max_trials=10, time_budget_s=1e6, retry_wait_s=0.0))
+    return run_tune(
+        target=target,
+        tuner=kw.pop("tuner", None) or make_tuner(tmp_path),
+        base=base(),
+        limits=limits,
+        out_dir=tmp_path / "out",
+        sleep=lambda s: None,
+        **kw,
+    )
+
+
+def test_finds_a_feasible_point_and_leaves_the_deployment_on_it(tmp_path: Path) -> None:
+    target = FakeTarget(start=Knobs(max_batch_size=4, max_concurrency=4))
+    out = run(tmp_path, target)
+    chosen = out.report.chosen
+    assert chosen is not None and out.feasible and not out.aborted
+    assert tpot_of(chosen.max_batch_size) <= SLO.tpot_p99_s
+    assert chosen.max_batch_size >= 20  # well up the curve, not the first guess
+    # The deployment ends on the chosen, measured-feasible knobs.
+    assert target.applied[-1] == Knobs(
+        max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency
+    )
+    assert out.final_knobs == (chosen.max_batch_size, chosen.max_concurrency)
+    # Each trial applied before it measured, one measurement per trial.
+    assert target.applied[:-1] == target.measured
+    lines = (tmp_path / "out" / "trials.jsonl").read_text().splitlines()
+    assert len(lines) == len(out.report.trials) == len(target.measured)
+    d = json.loads((tmp_path / "out" / "curve.json").read_text())
+    assert d["operating_point"]["max_batch_size"] == chosen.max_batch_size
+    assert d["operating_point"]["usd_per_million_tokens"] > 0
+    assert out.stop_reason
+
+
+def test_export_rebuilds_the_same_files_from_the_study(tmp_path: Path) -> None:
+    out = run(tmp_path, FakeTarget())
+    again = report_from_study(str(tmp_path / "study.journal"), "t")
+    assert again.to_dict() == out.report.to_dict()
+    again2 = report_from_study(str(tmp_path / "study.journal"))  # the only study
+    assert again2.to_dict() == out.report.to_dict()
+    with pytest.raises(ValueError, match="not in"):
+        report_from_study(str(tmp_path / "study.journal"), "nope")
+
+
+def test_no_feasible_point_restores_the_original_knobs(tmp_path: Path) -> None:
+    global SLO
+    old = SLO
+    SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.005)  # below any TPOT: nothing is feasible
+    try:
+        start = Knobs(max_batch_size=4, max_concurrency=8)
+        target = FakeTarget(start=start)
+        limits = TuneLimits(max_trials=4, time_budget_s=1e6)
+        tuner = Tuner(
+            space=SearchSpace(batch_min=1, batch_max=64, headroom_max=2.0),
+            slo=SLO,
+            storage=None,
+            seed_knobs=[Knobs(max_batch_size=8, max_concurrency=8)],
+            seed=0,
+        )
+        out = run(tmp_path, target, tuner=tuner, limits=limits)
+    finally:
+        SLO = old
+    assert out.report.chosen is None and not out.feasible
+    assert target.applied[-1] == start and out.final_knobs == (4, 8)
+    assert "restored" in out.final_note
+    assert json.loads((tmp_path / "out" / "curve.json").read_text())["operating_point"] is None
+
+
+def test_transient_failures_are_retried(tmp_path: Path) -> None:
+    target = FakeTarget()
+    target.fail = {1: TargetUnavailable("scrape refused"), 2: TargetUnavailable("scrape refused")}
+    out = run(tmp_path, target, limits=TuneLimits(max_trials=3, time_budget_s=1e6, retries=2))
+    assert not out.aborted and len(out.report.trials) == 3
+    assert target.measured[1] == target.measured[2] == target.measured[3]  # same knobs retried
+
+
+def test_metrics_down_mid_run_stops_with_best_so_far(tmp_path: Path) -> None:
+    target = FakeTarget(start=Knobs(max_batch_size=2, max_concurrency=2))
+    target.fail = {i: TargetUnavailable("connection refused") for i in range(3, 20)}
+    tuner = make_tuner(tmp_path)
+    out = run(tmp_path, target, tuner=tuner)
+    assert "measurements unavailable" in out.aborted and "connection refused" in out.aborted
+    assert len(out.report.trials) == 3  # the ones measured before the endpoint went down
+    assert (tmp_path / "out" / "report.html").exists()
+    # The interrupted trial is marked failed in the study.
+    states = [t.state.name for t in tuner.study.get_trials()]
+    assert states[-1] == "FAIL"
+    # Left on a measured feasible point (or the original), never the knob being measured.
+    chosen = out.report.chosen
+    last = target.applied[-1]
+    if chosen is not None:
+        assert (last.max_batch_size, last.max_concurrency) == (
+            chosen.max_batch_size,
+            chosen.max_concurrency,
+        )
+    else:
+        assert last == Knobs(max_batch_size=2, max_concurrency=2)
+
+
+def test_ctrl_c_exports_and_reverts(tmp_path: Path) -> None:
+    target = FakeTarget(start=Knobs(max_batch_size=1, max_concurrency=1))
+    target.fail = {4: KeyboardInterrupt()}
+    out = run(tmp_path, target)
+    assert out.interrupted and "Ctrl-C" in out.aborted
+    assert len(out.report.trials) == 4
+    assert (tmp_path / "out" / "curve.json").exists()
+    interrupted_knobs = target.measured[4]
+    chosen = out.report.chosen
+    assert chosen is not None  # the fake's seed (16) is feasible
+    assert target.applied[-1] == Knobs(
+        max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency
+    )
+    if interrupted_knobs != target.applied[-1]:
+        assert all(
+            (t.max_batch_size, t.max_concurrency)
+            != (interrupted_knobs.max_batch_size, interrupted_knobs.max_concurrency)
+            or t.feasible
+            for t in out.report.trials
+        )
+
+
+def test_permanent_target_error_stops_at_once(tmp_path: Path) -> None:
+    target = FakeTarget()
+    target.fail = {2: TargetError("app 'x' was deleted")}
+    out = run(tmp_path, target)
+    assert out.aborted == "app 'x' was deleted" and len(target.measured) == 3
+
+
+def test_time_budget_bounds_the_run(tmp_path: Path) -> None:
+    clock = Clock()
+    target = FakeTarget(window_s=10.0, clock=clock)
+    limits = TuneLimits(max_trials=50, time_budget_s=40.0)
+    out = run(tmp_path, target, limits=limits, clock=clock)
+    # each trial takes 12 s: the 4th would end at 48 s > 40 s, so it is not started
+    assert len(out.report.trials) == 3
+    assert "time budget" in out.stop_reason
+
+
+def test_max_trials_bounds_the_run(tmp_path: Path) -> None:
+    target = FakeTarget()
+    out = run(tmp_path, target, limits=TuneLimits(max_trials=2, time_budget_s=1e6))
+    assert len(out.report.trials) == 2 and "max trials" in out.stop_reason
+
+
+def test_window_without_completed_requests_is_not_feasible(tmp_path: Path) -> None:
+    target = FakeTarget()
+    target.empty = {0}
+    out = run(tmp_path, target, limits=TuneLimits(max_trials=2, time_budget_s=1e6))
+    first = out.report.trials[0]
+    assert first.completed == 0 and not first.feasible
+    assert "no completed requests" in first.note
+    assert math.isnan(first.p99_tpot_ms)
+
+
+def test_limits_validation() -> None:
+    with pytest.raises(ValueError, match="max_trials=0"):
+        TuneLimits(max_trials=0)
+    with pytest.raises(ValueError, match="time_budget_s=-1"):
+        TuneLimits(time_budget_s=-1)
+
+
+def test_progress_hooks_are_called(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    class P(Progress):
+        def begin(self, n, total, knobs):
+            calls.append(f"begin {n}/{total}")
+
+        def end(self, rec, best, total):
+            calls.append("end")
+
+    run(tmp_path, FakeTarget(), progress=P(), limits=TuneLimits(max_trials=2, time_budget_s=1e6))
+    assert calls == ["begin 1/2", "end", "begin 2/2", "end"]
+
+
+def test_runs_the_simulator_target_unchanged(tmp_path: Path) -> None:
+    sim_target = pytest.importorskip("controller.sim_target")
+    t = sim_target.SimTarget(sim_target.resolve_scenario("cpu-small"), seed=1)
+    tuner = Tuner(
+        space=t.space,
+        slo=t.scenario.slo,
+        storage=None,
+        seed_knobs=t.seed_knobs(),
+        model_tpot_s=t.model_tpot_s,
+        seed=1,
+    )
+    rep = CurveReport(slo=t.scenario.slo, trials=())
+    out = run_tune(
+        target=t,
+        tuner=tuner,
+        base=rep,
+        limits=TuneLimits(max_trials=6, time_budget_s=1e6),
+        out_dir=tmp_path / "sim",
+    )
+    assert len(out.report.trials) >= 1 and (tmp_path / "sim" / "curve.png").exists()
