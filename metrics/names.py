@@ -8,6 +8,7 @@ port; :func:`exported` maps an emitted name to the name seen there.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 PREFIX = "slotune_"
@@ -29,9 +30,22 @@ WAITING_REQUESTS = "slotune_waiting_requests"
 KV_CACHE_USAGE_RATIO = "slotune_kv_cache_usage_ratio"
 MAX_BATCH_SIZE = "slotune_max_batch_size"
 
+# The controller's own metrics (metrics/exporter.py), served by the controller itself.
+CONTROLLER_KNOB = "slotune_controller_knob"  # gauge, label knob
+CONTROLLER_TRIALS_TOTAL = "slotune_controller_trials_total"  # counter
+CONTROLLER_BEST_GOODPUT_RPS = "slotune_controller_best_goodput_rps"  # gauge
+CONTROLLER_GOODPUT_RPS = "slotune_controller_goodput_rps"  # gauge, last observed window
+CONTROLLER_SLO_VERDICT = "slotune_controller_slo_verdict"  # gauge 0/1, labels slo, verdict
+CONTROLLER_QUANTILE_SECONDS = "slotune_controller_observed_quantile_seconds"  # label slo
+CONTROLLER_ROLLBACKS_TOTAL = "slotune_controller_rollbacks_total"  # counter
+CONTROLLER_STALE = "slotune_controller_metrics_stale"  # gauge 0/1
+
 # Labels.
 LABEL_SLO_MET = "slo_met"  # "true" | "false"
 LABEL_REASON = "reason"
+LABEL_KNOB = "knob"
+LABEL_SLO = "slo"  # "ttft" | "tpot"
+LABEL_VERDICT = "verdict"  # a metrics.observation.Verdict value
 
 HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS)
 COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL)
@@ -45,11 +59,38 @@ DEFAULT_TPOT_SLO_S = 0.1
 MAX_BUCKET_RATIO = 1.1
 
 
-def exported(name: str) -> str:
-    """The name under which Ray's metrics export port shows an emitted metric."""
+_PROM_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def exported(name: str, *, prefix: str = RAY_PREFIX) -> str:
+    """The family name under which an emitted metric is read: ``prefix + name``.
+
+    ``prefix`` is ``"ray_"`` on Ray's metrics export port (the default) and ``""`` for a
+    plain prometheus_client exporter. This is the one place that mapping lives.
+    """
     if not name.startswith(PREFIX):
         raise ValueError(f"metric name {name!r} must start with {PREFIX!r}")
-    return RAY_PREFIX + name
+    full = prefix + name
+    if not _PROM_NAME.fullmatch(full):
+        raise ValueError(f"prefix {prefix!r}: {full!r} is not a valid Prometheus metric name")
+    return full
+
+
+def counter_samples(name: str, *, prefix: str = RAY_PREFIX) -> tuple[str, ...]:
+    """Sample names a counter may be exposed under, most specific first.
+
+    A counter named ``..._total`` is exposed as is by prometheus_client (and by Ray, which
+    renders counters through it), but an exporter that appends ``_total`` to every counter
+    would show ``..._total_total``: readers take the first of these that has any series.
+    """
+    full = exported(name, prefix=prefix)
+    return (full, full + "_total")
+
+
+def histogram_samples(name: str, *, prefix: str = RAY_PREFIX) -> tuple[str, str, str]:
+    """``(_bucket, _count, _sum)`` sample names of an exported histogram."""
+    full = exported(name, prefix=prefix)
+    return (full + "_bucket", full + "_count", full + "_sum")
 
 
 def slo_buckets(

@@ -68,6 +68,7 @@ class Observation:
     staleness_s: float = 0.0  # age of the newest data point when read
     stale: bool = False
     source: str = ""
+    note: str = ""  # why the window is stale or thin, in words (empty when all is well)
 
     @property
     def window_s(self) -> float:

@@ -185,11 +185,12 @@ def verdict_from_histogram(
     that are not whole (a PromQL ``increase`` is extrapolated) are rounded to the nearest.
     """
     inf_count = buckets.get(math.inf)
-    if inf_count is None or not math.isfinite(inf_count) or inf_count <= 0:
+    valid = all(math.isfinite(c) and c >= 0 for c in buckets.values())
+    if inf_count is None or not valid or inf_count <= 0:
         return verdict_from_counts(0, 0, threshold_s, estimate_s, q=q, confidence=confidence)
     total = round(inf_count)
-    below = [c for b, c in buckets.items() if b <= threshold_s and math.isfinite(c)]
-    at_or_above = [c for b, c in buckets.items() if b >= threshold_s and math.isfinite(c)]
+    below = [c for b, c in buckets.items() if b <= threshold_s]
+    at_or_above = [c for b, c in buckets.items() if b >= threshold_s]
     # Counts are cumulative: below the threshold, take the largest bound's count (fewest
     # known to exceed); at or above, the smallest bound's count.
     le_lower = round(max(below)) if below else 0

@@ -1,0 +1,138 @@
+"""Building an :class:`Observation` from window counts and histograms, or from raw requests."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from metrics.observation import Observation, Percentiles, Slo
+from metrics.quantile import histogram_quantile
+from metrics.samples import exact_quantile, verdict_from_histogram, verdict_from_samples
+
+__all__ = [
+    "observation_from_histograms",
+    "observation_from_requests",
+    "percentiles_from_histogram",
+    "percentiles_from_samples",
+]
+
+
+def percentiles_from_histogram(buckets: Mapping[float, float]) -> Percentiles:
+    return Percentiles(
+        p50=histogram_quantile(0.5, buckets),
+        p90=histogram_quantile(0.9, buckets),
+        p99=histogram_quantile(0.99, buckets),
+    )
+
+
+def percentiles_from_samples(samples: Sequence[float]) -> Percentiles:
+    return Percentiles(
+        p50=exact_quantile(samples, 0.5),
+        p90=exact_quantile(samples, 0.9),
+        p99=exact_quantile(samples, 0.99),
+    )
+
+
+def _whole(name: str, v: float) -> int:
+    if not math.isfinite(v) or v < -0.5:
+        raise ValueError(f"{name}={v!r}: must be a finite non-negative count")
+    return max(0, round(v))
+
+
+def observation_from_histograms(
+    *,
+    slo: Slo,
+    start_s: float,
+    end_s: float,
+    met: float,
+    missed: float,
+    rejected: float = 0.0,
+    generated_tokens: float = 0.0,
+    ttft_buckets: Mapping[float, float] | None,
+    tpot_buckets: Mapping[float, float] | None,
+    confidence: float = 0.95,
+    staleness_s: float = 0.0,
+    stale: bool = False,
+    source: str = "",
+    note: str = "",
+    ttft_estimate_s: float | None = None,
+    tpot_estimate_s: float | None = None,
+) -> Observation:
+    """An Observation from a window's counter increases and cumulative bucket increases.
+
+    Counts may be non-whole (a PromQL ``increase`` is extrapolated): they are rounded to the
+    nearest whole request. Goodput is the ``slo_met="true"`` count over the window. The SLO
+    quantile's estimate is the histogram's (or the ``*_estimate_s`` given, e.g. computed by
+    Prometheus); the verdict is on the exact count above the threshold when it is a bound.
+    A missing histogram gives NaN percentiles and an INSUFFICIENT verdict, never a number.
+    """
+    q = slo.quantile
+    ttft = ttft_buckets or {}
+    tpot = tpot_buckets or {}
+    ttft_est = histogram_quantile(q, ttft) if ttft_estimate_s is None else ttft_estimate_s
+    tpot_est = histogram_quantile(q, tpot) if tpot_estimate_s is None else tpot_estimate_s
+    n_met, n_missed = _whole("met", met), _whole("missed", missed)
+    return Observation(
+        start_s=start_s,
+        end_s=end_s,
+        completed=n_met + n_missed,
+        slo_met=n_met,
+        rejected=_whole("rejected", rejected),
+        generated_tokens=_whole("generated_tokens", generated_tokens),
+        ttft=percentiles_from_histogram(ttft),
+        tpot=percentiles_from_histogram(tpot),
+        ttft_verdict=verdict_from_histogram(
+            ttft, slo.ttft_p99_s, ttft_est, q=q, confidence=confidence
+        ),
+        tpot_verdict=verdict_from_histogram(
+            tpot, slo.tpot_p99_s, tpot_est, q=q, confidence=confidence
+        ),
+        staleness_s=staleness_s,
+        stale=stale,
+        source=source,
+        note=note,
+    )
+
+
+def observation_from_requests(
+    *,
+    slo: Slo,
+    start_s: float,
+    end_s: float,
+    ttft_s: Sequence[float],
+    tpot_s: Sequence[float],
+    rejected: int = 0,
+    generated_tokens: int = 0,
+    confidence: float = 0.95,
+    source: str = "samples",
+) -> Observation:
+    """An Observation from per-request latencies (``ttft_s[i]``, ``tpot_s[i]`` of request i).
+
+    A NaN TPOT (a single-token request) meets the TPOT SLO and is left out of the TPOT
+    percentiles and verdict. Percentiles are exact (nearest rank); verdicts binomial.
+    """
+    if len(ttft_s) != len(tpot_s):
+        raise ValueError(f"ttft_s has {len(ttft_s)} requests but tpot_s has {len(tpot_s)}")
+    ttft = np.asarray(ttft_s, dtype=np.float64)  # [n]
+    tpot = np.asarray(tpot_s, dtype=np.float64)  # [n]
+    if np.isnan(ttft).any():
+        raise ValueError("ttft_s contains NaN: every completed request has a first token")
+    has_tpot = ~np.isnan(tpot)  # [n]
+    met = (ttft <= slo.ttft_p99_s) & (~has_tpot | (tpot <= slo.tpot_p99_s))  # [n]
+    tpot_known = tpot[has_tpot]  # [m]
+    q = slo.quantile
+    return Observation(
+        start_s=start_s,
+        end_s=end_s,
+        completed=int(ttft.size),
+        slo_met=int(met.sum()),
+        rejected=rejected,
+        generated_tokens=generated_tokens,
+        ttft=percentiles_from_samples(ttft),
+        tpot=percentiles_from_samples(tpot_known),
+        ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
+        tpot_verdict=verdict_from_samples(tpot_known, slo.tpot_p99_s, q=q, confidence=confidence),
+        source=source,
+    )

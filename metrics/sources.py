@@ -1,0 +1,340 @@
+"""Where Observations come from: a direct scrape (the embedded default) or Prometheus's API.
+
+Both read the families of ``metrics.names`` under ``names.exported(name, prefix=...)``,
+sum across every replica/label set that matches ``selector``, and agree on the same data
+(``tests/metrics/test_sources_prometheus.py``). Failures are typed (``metrics.errors``) or
+an Observation marked ``stale`` with a ``note`` — never a crash, never a made-up number.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+
+import httpx
+
+from metrics import names
+from metrics.build import observation_from_histograms
+from metrics.errors import MalformedExposition, MetricsError, MetricsUnavailable, QueryRejected
+from metrics.observation import Observation, Slo
+from metrics.snapshot import Snapshot, bucket_window, counter_window, parse_exposition
+
+__all__ = [
+    "MalformedExposition",
+    "MetricsError",
+    "MetricsUnavailable",
+    "PromQLSource",
+    "QueryRejected",
+    "ScrapeSource",
+    "Snapshot",
+]
+
+logger = logging.getLogger(__name__)
+
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+REQUIRED = (names.REQUESTS_TOTAL, names.TTFT_SECONDS, names.TPOT_SECONDS)
+
+
+def _check_common(
+    url: str, selector: Mapping[str, str] | None, timeout_s: float, confidence: float
+) -> dict[str, str]:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url={url!r}: must start with http:// or https://")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r}: must be in (0, 1)")
+    sel = dict(selector or {})
+    for k, v in sel.items():
+        if not _LABEL.fullmatch(k) or k.startswith("__") or k == "le":
+            raise ValueError(f"selector label {k!r}: must be a plain Prometheus label name")
+        if not isinstance(v, str):
+            raise ValueError(f"selector {k}={v!r}: label values are strings")
+    return sel
+
+
+def _get(client: httpx.Client, url: str, params: Mapping[str, str] | None = None) -> httpx.Response:
+    try:
+        return client.get(url, params=params)
+    except httpx.TimeoutException as e:
+        raise MetricsUnavailable(f"{url}: timed out ({e})") from e
+    except httpx.HTTPError as e:
+        raise MetricsUnavailable(f"{url}: unreachable ({type(e).__name__}: {e})") from e
+
+
+class ScrapeSource:
+    """Reads a Prometheus text endpoint directly: Ray's metrics export port or any /metrics.
+
+    ``prefix`` is ``"ray_"`` for Ray's export port and ``""`` (the default) for a plain
+    prometheus_client exporter. Recent snapshots are kept (``snapshots``) so
+    :meth:`observe_recent` can answer for "the last ``window_s`` seconds".
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        slo: Slo,
+        prefix: str = "",
+        selector: Mapping[str, str] | None = None,
+        timeout_s: float = 5.0,
+        confidence: float = 0.95,
+        max_staleness_s: float = 30.0,
+        keep: int = 64,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url
+        self.slo = slo
+        self.prefix = prefix
+        self.selector = _check_common(url, selector, timeout_s, confidence)
+        names.exported(names.REQUESTS_TOTAL, prefix=prefix)  # validates the prefix
+        self.confidence = confidence
+        self.max_staleness_s = max_staleness_s
+        self.clock = clock
+        self.snapshots: collections.deque[Snapshot] = collections.deque(maxlen=keep)
+        self._client = httpx.Client(
+            timeout=timeout_s, headers={"Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1"}
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def snapshot(self) -> Snapshot:
+        """Scrape once. Raises :class:`MetricsUnavailable` (or its :class:`MalformedExposition`)."""
+        r = _get(self._client, self.url)
+        if r.status_code != 200:
+            raise MetricsUnavailable(f"{self.url}: HTTP {r.status_code}")
+        ctype = r.headers.get("content-type", "")
+        if ctype.startswith("text/html"):
+            raise MalformedExposition(f"{self.url}: got an HTML page, not /metrics exposition")
+        snap = parse_exposition(
+            r.text,
+            time_s=self.clock(),
+            url=self.url,
+            openmetrics=ctype.startswith("application/openmetrics-text"),
+        )
+        self.snapshots.append(snap)
+        return snap
+
+    def observe_recent(self, window_s: float) -> Observation:
+        """Scrape now and observe since the newest kept snapshot at least ``window_s`` old.
+
+        With no snapshot that old, the oldest kept one is used (``window_s`` of the result
+        says how long the window really was); with none at all the window is empty (stale).
+        """
+        prev = list(self.snapshots)
+        end = self.snapshot()
+        older = [s for s in prev if s.time_s <= end.time_s - window_s]
+        start = older[-1] if older else (prev[0] if prev else end)
+        return self.observe(start, end)
+
+    def observe(self, start: Snapshot, end: Snapshot) -> Observation:
+        """The Observation of the window between two snapshots (in either order of arrival)."""
+        p, sel = self.prefix, self.selector
+        source = f"scrape {self.url}"
+        notes: list[str] = []
+        staleness = max(0.0, self.clock() - end.time_s)
+        req = counter_window(
+            start, end, names.counter_samples(names.REQUESTS_TOTAL, prefix=p), sel,
+            by=names.LABEL_SLO_MET,
+        )  # fmt: skip
+        tok = counter_window(
+            start, end, names.counter_samples(names.GENERATED_TOKENS_TOTAL, prefix=p), sel
+        )
+        rej = counter_window(start, end, names.counter_samples(names.REJECTED_TOTAL, prefix=p), sel)
+        ttft = bucket_window(
+            start, end, names.histogram_samples(names.TTFT_SECONDS, prefix=p)[0], sel
+        )
+        tpot = bucket_window(
+            start, end, names.histogram_samples(names.TPOT_SECONDS, prefix=p)[0], sel
+        )
+        missing = [
+            names.exported(n, prefix=p)
+            for n, v in zip(REQUIRED, (req, ttft, tpot), strict=True)
+            if v is None
+        ]
+        if missing:
+            notes.append(f"missing from {self.url}: {', '.join(missing)}")
+            present = sorted(n for n in end.samples if "slotune" in n)[:6]
+            logger.warning(
+                "%s: no %s (prefix=%r; slotune samples present: %s)",
+                self.url, missing, p, present or "none",
+            )  # fmt: skip
+        window = end.time_s - start.time_s
+        if window <= 0:
+            notes.append("empty window: the two snapshots are the same scrape")
+        if staleness > self.max_staleness_s:
+            notes.append(f"newest scrape is {staleness:.1f}s old (> {self.max_staleness_s}s)")
+        req = req or {}
+        return observation_from_histograms(
+            slo=self.slo,
+            start_s=start.time_s,
+            end_s=end.time_s,
+            met=_count("met", req.get("true", 0.0), notes),
+            missed=_count("missed", sum(v for k, v in req.items() if k != "true"), notes),
+            rejected=_count("rejected", sum((rej or {}).values()), notes),
+            generated_tokens=_count("generated_tokens", sum((tok or {}).values()), notes),
+            ttft_buckets=ttft,
+            tpot_buckets=tpot,
+            confidence=self.confidence,
+            staleness_s=staleness,
+            stale=bool(notes),
+            source=source,
+            note="; ".join(notes),
+        )
+
+
+def _label_matchers(selector: Mapping[str, str]) -> str:
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return ",".join(f'{k}="{esc(v)}"' for k, v in sorted(selector.items()))
+
+
+class PromQLSource:
+    """The same Observation from a Prometheus server's HTTP API (``/api/v1/query``).
+
+    For production, where Prometheus already scrapes every replica on every node. Quantiles
+    are Prometheus's own ``histogram_quantile(q, sum by (le) (rate(<h>_bucket{sel}[w])))``;
+    counts are ``sum(increase(...[w]))`` (extrapolated to the window by Prometheus, then
+    rounded to whole requests); goodput is the ``slo_met="true"`` count over the window.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        slo: Slo,
+        prefix: str = "ray_",
+        selector: Mapping[str, str] | None = None,
+        timeout_s: float = 5.0,
+        confidence: float = 0.95,
+        max_staleness_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.slo = slo
+        self.prefix = prefix
+        self.selector = _check_common(url, selector, timeout_s, confidence)
+        names.exported(names.REQUESTS_TOTAL, prefix=prefix)  # validates the prefix
+        self.confidence = confidence
+        self.max_staleness_s = max_staleness_s
+        self.clock = clock
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def query(self, expr: str, *, at: float) -> list[tuple[dict[str, str], float]]:
+        """One instant query: ``[(labels, value)]``. Typed errors, never a crash."""
+        api = f"{self.url}/api/v1/query"
+        r = _get(self._client, api, {"query": expr, "time": f"{at:.3f}"})
+        try:
+            body = r.json()
+        except ValueError as e:
+            raise MetricsUnavailable(f"{api}: HTTP {r.status_code}, reply is not JSON") from e
+        if r.status_code in (400, 422) or body.get("errorType") == "bad_data":
+            raise QueryRejected(f"Prometheus rejected {expr!r}: {body.get('error', body)}")
+        if r.status_code != 200 or body.get("status") != "success":
+            raise MetricsUnavailable(f"{api}: HTTP {r.status_code}: {body.get('error', body)}")
+        data = body.get("data", {})
+        if data.get("resultType") != "vector":
+            raise MetricsUnavailable(f"{api}: expected a vector for {expr!r}, got {data}")
+        try:
+            return [(dict(s["metric"]), float(s["value"][1])) for s in data["result"]]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise MetricsUnavailable(f"{api}: malformed result for {expr!r}") from e
+
+    def _counter_sel(self, name: str) -> str:
+        alts = "|".join(re.escape(n) for n in names.counter_samples(name, prefix=self.prefix))
+        extra = _label_matchers(self.selector)
+        return f'{{__name__=~"{alts}"{"," + extra if extra else ""}}}'
+
+    def _bucket_sel(self, name: str) -> str:
+        bucket = names.histogram_samples(name, prefix=self.prefix)[0]
+        return f"{bucket}{{{_label_matchers(self.selector)}}}"
+
+    def observe_range(self, *, window_s: float, end_s: float | None = None) -> Observation:
+        """The Observation of the ``window_s`` seconds ending at ``end_s`` (now by default)."""
+        if not (math.isfinite(window_s) and window_s >= 0.001):
+            raise ValueError(f"window_s={window_s!r}: must be at least 0.001 seconds")
+        end = self.clock() if end_s is None else end_s
+        w = f"[{round(window_s * 1000)}ms]"
+        notes: list[str] = []
+        reqs = self._counter_sel(names.REQUESTS_TOTAL)
+        newest = self.query(f"max(timestamp({reqs}))", at=end)
+        if newest:
+            staleness = max(0.0, end - newest[0][1])
+        else:
+            staleness = math.inf
+            notes.append(
+                f"no series {names.exported(names.REQUESTS_TOTAL, prefix=self.prefix)}"
+                f"{{{_label_matchers(self.selector)}}} in Prometheus at {self.url}"
+            )
+        if math.isfinite(staleness) and staleness > self.max_staleness_s:
+            notes.append(f"newest sample is {staleness:.1f}s old (> {self.max_staleness_s}s)")
+        by_met = {
+            lab.get(names.LABEL_SLO_MET, ""): v
+            for lab, v in self.query(
+                f"sum by ({names.LABEL_SLO_MET}) (increase({reqs}{w}))", at=end
+            )
+        }
+        tokens = self.query(
+            f"sum(increase({self._counter_sel(names.GENERATED_TOKENS_TOTAL)}{w}))", at=end
+        )
+        rejected = self.query(
+            f"sum(increase({self._counter_sel(names.REJECTED_TOTAL)}{w}))", at=end
+        )
+        hist: dict[str, dict[float, float]] = {}
+        est: dict[str, float] = {}
+        for key, name in (("ttft", names.TTFT_SECONDS), ("tpot", names.TPOT_SECONDS)):
+            inc = f"sum by (le) (increase({self._bucket_sel(name)}{w}))"
+            hist[key] = {}
+            for lab, v in self.query(inc, at=end):
+                if "le" in lab:  # le="1" and le="1.0" are one bound, as PromQL merges them
+                    b = float(lab["le"])
+                    hist[key][b] = hist[key].get(b, 0.0) + v
+            rate = f"sum by (le) (rate({self._bucket_sel(name)}{w}))"
+            res = self.query(f"histogram_quantile({self.slo.quantile!r}, {rate})", at=end)
+            est[key] = res[0][1] if res else math.nan
+        counts = {
+            "met": _count("met", by_met.get("true", 0.0), notes),
+            "missed": _count("missed", sum(v for k, v in by_met.items() if k != "true"), notes),
+            "rejected": _count("rejected", rejected[0][1] if rejected else 0.0, notes),
+            "tokens": _count("generated_tokens", tokens[0][1] if tokens else 0.0, notes),
+        }
+        stale = bool(notes)
+        if not hist["ttft"] and not stale:
+            # Fresh series but no two samples in the window: nothing to judge (not stale).
+            notes.append("no histogram samples in the window")
+        return observation_from_histograms(
+            slo=self.slo,
+            start_s=end - window_s,
+            end_s=end,
+            met=counts["met"],
+            missed=counts["missed"],
+            rejected=counts["rejected"],
+            generated_tokens=counts["tokens"],
+            ttft_buckets=hist["ttft"],
+            tpot_buckets=hist["tpot"],
+            confidence=self.confidence,
+            staleness_s=staleness,
+            stale=stale,
+            source=f"promql {self.url}",
+            note="; ".join(notes),
+            ttft_estimate_s=est["ttft"],
+            tpot_estimate_s=est["tpot"],
+        )
+
+
+def _count(name: str, v: float, notes: list[str]) -> float:
+    """A window count as given, or 0 with a note (making the window stale) when it is not
+    a finite non-negative number (a NaN or negative counter in the exposition)."""
+    if math.isfinite(v) and v >= 0:
+        return v
+    notes.append(f"{name} count is {v!r}: the counters are not valid")
+    return 0.0
