@@ -202,6 +202,11 @@ class PromQLSource:
     are Prometheus's own ``histogram_quantile(q, sum by (le) (rate(<h>_bucket{sel}[w])))``;
     counts are ``sum(increase(...[w]))`` (extrapolated to the window by Prometheus, then
     rounded to whole requests); goodput is the ``slo_met="true"`` count over the window.
+
+    As with any PromQL ``increase()``, a series born inside the window (an exporter that
+    creates a labelled series at its first increment, e.g. ``slo_met="false"``) loses the
+    increments before its first sample; :class:`ScrapeSource` counts such a series from 0.
+    Emitters should create their label sets at zero up front.
     """
 
     def __init__(

@@ -42,6 +42,7 @@ class Emitter:
         for met in ("true", "false"):
             self.requests.labels(**labels, slo_met=met)
         self.tokens.labels(**labels)
+        self.rejected.labels(**labels, reason="queue_full")
 
     def record(self, ttft: float, tpot: float, tokens: int, **labels: str) -> bool:
         met = ttft <= self.slo.ttft_p99_s and tpot <= self.slo.tpot_p99_s
