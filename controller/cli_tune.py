@@ -92,6 +92,8 @@ def start_local_ray() -> tuple[int, int]:
 def attach_ray(address: str | None) -> None:
     import ray
 
+    if address and address != "auto":
+        _check_reachable(address)
     if ray.is_initialized():
         return
     _ray_env()
@@ -101,6 +103,21 @@ def attach_ray(address: str | None) -> None:
         raise BadInput(
             f"--address {address or 'auto'}: cannot connect to a Ray cluster ({e}); "
             "start one with `ray start --head` or omit --address to run locally"
+        ) from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a Ray address nobody listens on (ray.init would retry for minutes)."""
+    hostport = address.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise BadInput(f"--address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=3.0).close()
+    except OSError as e:
+        raise BadInput(
+            f"--address {address}: nothing answers there ({e.strerror or e}); "
+            "start a cluster with `ray start --head` or omit --address to run locally"
         ) from None
 
 

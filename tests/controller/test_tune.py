@@ -301,3 +301,59 @@ def test_runs_the_simulator_target_unchanged(tmp_path: Path) -> None:
         out_dir=tmp_path / "sim",
     )
     assert len(out.report.trials) >= 1 and (tmp_path / "sim" / "curve.png").exists()
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from controller.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    cap = capsys.readouterr()
+    return int(e.value.code or 0), cap.out, cap.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["tune", "--slo-tpot-ms", "-5"], "--slo-tpot-ms -5"),
+        (["tune", "--slo-ttft-ms", "nan"], "--slo-ttft-ms nan"),
+        (["tune", "--model", "huge"], "--model huge"),
+        (["tune", "--max-trials", "0"], "max_trials=0"),
+        (["tune", "--output-tokens", "uniform:x"], "length spec"),
+        (["tune", "--price-per-hour", "-1"], "--price-per-hour -1"),
+        (["tune", "--metrics-url", "http://a/m", "--prometheus-url", "http://b"], "not both"),
+        (["tune", "--trace", "/nonexistent/trace.jsonl"], "trace.jsonl"),
+        (["export", "/nonexistent/study.journal"], "no such file"),
+        (["tune", "--address", "127.0.0.1:1"], "nothing answers there"),
+        (["tune", "--address", "nonsense"], "expected HOST:PORT"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(argv, match, capsys, tmp_path) -> None:
+    code, _, err = _cli([*argv, *(["--out", str(tmp_path)] if argv[0] == "tune" else [])], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("slotune: error:") and match in lines[0]
+
+
+def test_cli_export_rebuilds_the_report(tmp_path: Path, capsys) -> None:
+    out = run(tmp_path, FakeTarget())
+    code, stdout, _ = _cli(
+        ["export", str(tmp_path / "study.journal"), "--out", str(tmp_path / "exp")], capsys
+    )
+    assert code == 0 and "report.html" in stdout
+    a = json.loads((tmp_path / "exp" / "curve.json").read_text())
+    assert a == json.loads((tmp_path / "out" / "curve.json").read_text())
+    assert a["operating_point"]["max_batch_size"] == out.report.chosen.max_batch_size
+    code, _, err = _cli(
+        ["export", str(tmp_path / "study.journal"), "--study", "nope", "--out", str(tmp_path)],
+        capsys,
+    )
+    assert code == 2 and "nope" in err
+
+
+def test_cli_export_of_a_study_without_a_feasible_point_exits_3(tmp_path: Path, capsys) -> None:
+    target = FakeTarget()
+    target.empty = set(range(10))  # nothing ever completes
+    run(tmp_path, target, limits=TuneLimits(max_trials=2, time_budget_s=1e6))
+    code, _, err = _cli(["export", str(tmp_path / "study.journal"), "--out", str(tmp_path)], capsys)
+    assert code == 3 and "no feasible point" in err
