@@ -1,0 +1,193 @@
+"""slotune tune against an exhaustive grid, measured on the same live deployment.
+
+Starts a local Ray + Serve (loopback), deploys the built-in model, runs the
+canary loop exactly as ``slotune tune`` does (roofline seed, Optuna, stop rule),
+then measures a grid of batch sizes (concurrency = batch, and 2x batch) with the
+same window plan. The tune's chosen point is re-measured inside the grid phase,
+so both sides of the ratio come from the same conditions.
+
+Prints a table of every trial and grid point, then one JSON line last:
+``tune_trials``, ``tune_wall_s``, ``trial_wall_s`` (each trial), ``grid_points``,
+``grid_wall_s``, ``tune_goodput_rps`` (re-measured), ``grid_best_goodput_rps``,
+``ratio`` (tune ÷ grid best; target ≥ 0.9).
+
+    .venv/bin/python bench/tune_vs_grid.py            # small model, as `slotune tune`
+    .venv/bin/python bench/tune_vs_grid.py --model tiny --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controller import cli_tune  # noqa: E402
+from controller.loadgen import LengthDist  # noqa: E402
+from controller.report import CurveReport, TrialRecord  # noqa: E402
+from controller.targets import RayServeTarget, RequestShape, WindowPlan  # noqa: E402
+from controller.tune import Progress, TuneLimits, run_tune  # noqa: E402
+from metrics.observation import Slo  # noqa: E402
+from search.objective import evaluate  # noqa: E402
+from search.space import Knobs  # noqa: E402
+from search.tuner import Tuner  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small", choices=sorted(cli_tune.MODELS))
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--max-trials", type=int, default=20)
+    ap.add_argument("--time-budget", type=float, default=240.0)
+    ap.add_argument("--quick", action="store_true", help="short windows, a coarse grid")
+    ap.add_argument("--out", default="slotune-out/bench-tune-vs-grid")
+    args = ap.parse_args()
+
+    slo = Slo(ttft_p99_s=args.slo_ttft_ms / 1e3, tpot_p99_s=args.slo_tpot_ms / 1e3)
+    plan = (
+        WindowPlan(warmup_s=1.0, window_s=3.0, max_window_s=8.0)
+        if args.quick
+        else WindowPlan(warmup_s=2.0, window_s=5.0, max_window_s=15.0)
+    )
+    shape = RequestShape(prompt_tokens=LengthDist(mean=32), output_tokens=LengthDist(mean=16))
+    slots = cli_tune.DEFAULT_SLOTS[args.model]
+    t_setup = time.monotonic()
+    metrics_port, _ = cli_tune.start_local_ray()
+    try:
+        device = "cpu"
+        import torch
+
+        if torch.cuda.is_available():
+            device = "cuda"
+        hw, hw_note = cli_tune.hardware_spec(device, quiet=False)
+        searched = cli_tune.plan_search(
+            model=args.model, hardware=hw, slo=slo, price=None, max_slots=slots, context=40
+        )
+        from serving.deploy import deploy_app
+
+        first = searched["seeds"][0]
+        deploy_app(
+            model=args.model,
+            max_batch_size=first.max_batch_size,
+            max_ongoing_requests=first.max_concurrency,
+            slo=slo,
+            max_slots=slots,
+            max_queued_requests=-1,
+            name="slotune",
+            device=device,
+            torch_threads=max(1, min(4, (os.cpu_count() or 2) - 1)),
+        )
+        reader, _ = cli_tune.make_reader(
+            slo=slo,
+            app="slotune",
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            prometheus_url=None,
+            prefix="ray_",
+        )
+        target = RayServeTarget(
+            url=cli_tune.serve_url("slotune"), app_name="slotune", slo=slo, reader=reader,
+            plan=plan, shape=shape,
+        )  # fmt: skip
+        setup_s = time.monotonic() - t_setup
+        out = Path(args.out)
+        tuner = Tuner(
+            space=searched["space"],
+            slo=slo,
+            storage=None,
+            seed_knobs=searched["seeds"],
+            model_tpot_s=searched["roofline"].step_time_s,
+            seed=0,
+        )
+        base = CurveReport(slo=slo, trials=(), predicted=searched["predicted"],
+                           model=args.model, hardware=hw.name)  # fmt: skip
+        t0 = time.monotonic()
+        outcome = run_tune(
+            target=target,
+            tuner=tuner,
+            base=base,
+            limits=TuneLimits(max_trials=args.max_trials, time_budget_s=args.time_budget),
+            out_dir=out / "tune",
+            progress=Progress(),
+        )
+        tune_wall = time.monotonic() - t0
+        chosen = outcome.report.chosen
+
+        # The grid, on the same deployment and window plan.
+        top = searched["space"].batch_max
+        batches = sorted({b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= top} | {top})
+        if args.quick:
+            batches = [b for b in batches if b in (1, 4, 16, 32, 64, 128) or b == top]
+        grid = [Knobs(max_batch_size=b, max_concurrency=b) for b in batches]
+        grid += [Knobs(max_batch_size=b, max_concurrency=2 * b) for b in batches if b >= 4]
+        if chosen is not None:
+            pick = Knobs(max_batch_size=chosen.max_batch_size,
+                         max_concurrency=chosen.max_concurrency)  # fmt: skip
+            grid.append(pick)
+        rows: list[tuple[Knobs, TrialRecord]] = []
+        t1 = time.monotonic()
+        for i, k in enumerate(grid):
+            target.apply(k)
+            tg = time.monotonic()
+            m = target.measure(k)
+            ev = evaluate(m.observation, slo)
+            rows.append((k, TrialRecord.from_observation(
+                number=i, knobs=k, obs=m.observation, feasible=ev.feasible,
+                wall_s=time.monotonic() - tg, client=m.client,
+            )))  # fmt: skip
+        grid_wall = time.monotonic() - t1
+    finally:
+        cli_tune._shutdown_local()
+
+    print(f"setup (Ray, deploy, calibration: {hw_note}): {setup_s:.0f} s")
+    print("\nslotune tune trials")
+    print(f"{'#':>3} {'B':>4} {'C':>4} {'goodput':>8} {'tok/s':>7} {'p99 TTFT':>9} "
+          f"{'p99 TPOT':>9} {'ok':>3} {'n':>5} {'wall s':>6}")  # fmt: skip
+    for t in outcome.report.trials:
+        print(f"{t.number:>3} {t.max_batch_size:>4} {t.max_concurrency:>4} {t.goodput_rps:>8.2f} "
+              f"{t.tokens_per_s:>7.0f} {t.p99_ttft_ms:>9.1f} {t.p99_tpot_ms:>9.1f} "
+              f"{'yes' if t.feasible else 'no':>3} {t.completed:>5} {t.wall_s:>6.1f}")  # fmt: skip
+    print(f"tune: {len(outcome.report.trials)} trials in {tune_wall:.0f} s; "
+          f"stop: {outcome.stop_reason}")  # fmt: skip
+    print("\ngrid (same deployment, same windows); last row re-measures the tune's pick")
+    for k, t in rows:
+        print(f"    {k.max_batch_size:>4} {k.max_concurrency:>4} {t.goodput_rps:>8.2f} "
+              f"{t.tokens_per_s:>7.0f} {t.p99_ttft_ms:>9.1f} {t.p99_tpot_ms:>9.1f} "
+              f"{'yes' if t.feasible else 'no':>3} {t.completed:>5} {t.wall_s:>6.1f}")  # fmt: skip
+    grid_rows = rows[:-1] if chosen is not None else rows
+    feas = [t for _, t in grid_rows if t.feasible]
+    best = max(feas, key=lambda t: t.goodput_rps) if feas else None
+    tune_again = rows[-1][1] if chosen is not None else None
+    tune_good = tune_again.goodput_rps if tune_again and tune_again.feasible else 0.0
+    ratio = tune_good / best.goodput_rps if best is not None and best.goodput_rps > 0 else math.nan
+    print(f"\ngrid: {len(grid_rows)} points in {grid_wall:.0f} s; best feasible: "
+          + (f"B={best.max_batch_size},C={best.max_concurrency} {best.goodput_rps:.2f} req/s"
+             if best else "none"))  # fmt: skip
+    print(f"tune's pick re-measured: {tune_good:.2f} req/s; ratio to grid best {ratio:.3f}")
+    print(json.dumps({
+        "model": args.model,
+        "quick": args.quick,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "setup_s": round(setup_s, 1),
+        "tune_trials": len(outcome.report.trials),
+        "tune_wall_s": round(tune_wall, 1),
+        "trial_wall_s": [round(t.wall_s, 1) for t in outcome.report.trials],
+        "tune_pick": None if chosen is None else [chosen.max_batch_size, chosen.max_concurrency],
+        "tune_goodput_rps": round(tune_good, 3),
+        "grid_points": len(grid_rows),
+        "grid_wall_s": round(grid_wall, 1),
+        "grid_best": None if best is None else [best.max_batch_size, best.max_concurrency],
+        "grid_best_goodput_rps": None if best is None else round(best.goodput_rps, 3),
+        "ratio": None if math.isnan(ratio) else round(ratio, 3),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""`slotune tune` end to end: the tiny model on the session's Ray cluster, short windows.
+
+Bounded: a few trials of a few seconds each (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+APP = "e2e-tune"
+SLO_ARGS = ["--slo-ttft-ms", "3000", "--slo-tpot-ms", "250"]
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from controller.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    cap = capsys.readouterr()
+    return int(e.value.code or 0), cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def tiny_app(ray_cluster):
+    from metrics.observation import Slo
+    from serving.deploy import delete_app, deploy_app
+
+    deploy_app(
+        model="tiny",
+        max_batch_size=2,
+        max_ongoing_requests=2,
+        slo=Slo(ttft_p99_s=3.0, tpot_p99_s=0.25),
+        max_slots=32,
+        max_queued_requests=-1,
+        name=APP,
+        route_prefix=f"/{APP}",
+    )
+    try:
+        yield ray_cluster
+    finally:
+        delete_app(APP)
+
+
+def _states():
+    from serving.deploy import replica_states
+
+    return replica_states(APP)
+
+
+def test_tune_finds_a_point_live_without_restarts(tiny_app, tmp_path: Path, capsys) -> None:
+    pids = sorted(s.pid for s in _states())
+    out = tmp_path / "out"
+    argv = [
+        "tune",
+        "--app",
+        APP,
+        "--metrics-url",
+        tiny_app.metrics_url,
+        "--model",
+        "tiny",
+        *SLO_ARGS,
+        "--max-trials",
+        "4",
+        "--time-budget",
+        "100",
+        "--warmup",
+        "1",
+        "--window",
+        "2",
+        "--max-window",
+        "8",
+        "--prompt-tokens",
+        "16",
+        "--output-tokens",
+        "8",
+        "--max-slots",
+        "32",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    code, stdout, err = _cli(argv, capsys)
+    assert code == 0, f"exit {code}: {err[-2000:]}"
+    assert "operating point" in stdout
+    d = json.loads((out / "curve.json").read_text())
+    op = d["operating_point"]
+    assert op is not None and op["verdict"] == "met"
+    trials = d["trials"]
+    assert 1 <= len(trials) <= 4
+    assert len((out / "trials.jsonl").read_text().splitlines()) == len(trials)
+    for t in trials:
+        assert t["completed"] > 0 and t["tokens_per_s"] > 0
+        # the load generator's cross-check saw the same window
+        assert t["client_completed"] > 0 and t["client_p99_tpot_ms"] is not None
+    # Knobs changed live: same replica processes, now on the chosen point.
+    after = _states()
+    assert sorted(s.pid for s in after) == pids
+    assert all(s.max_batch_size == op["max_batch_size"] for s in after)
+    assert all(s.max_ongoing_requests == op["max_concurrency"] for s in after)
+    for name in ("curve.csv", "curve.png", "report.html"):
+        assert (out / name).stat().st_size > 0
+    # `slotune export` rebuilds the same curve from the stored study.
+    code, _, err = _cli(
+        ["export", str(out / "study.journal"), "--out", str(tmp_path / "x")], capsys
+    )
+    assert code == 0, err
+    again = json.loads((tmp_path / "x" / "curve.json").read_text())
+    assert again == d
+
+
+def test_metrics_endpoint_down_stops_cleanly(tiny_app, tmp_path: Path, capsys) -> None:
+    from tests.fixtures.ray_cluster import free_port
+
+    before = _states()
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
+    argv = [
+        "tune", "--app", APP, "--metrics-url", dead, "--model", "tiny", *SLO_ARGS,
+        "--max-trials", "3", "--warmup", "0.5", "--window", "1", "--max-window", "2",
+        "--max-slots", "32", "--out", str(tmp_path), "--quiet",
+    ]  # fmt: skip
+    code, _, err = _cli(argv, capsys)
+    assert code == 1
+    assert "measurements unavailable" in err and dead.split("/metrics")[0] in err
+    assert (tmp_path / "report.html").exists()
+    # Nothing was measured feasible: the deployment is back on the knobs it had.
+    after = _states()
+    assert [(s.max_batch_size, s.max_ongoing_requests) for s in after] == [
+        (s.max_batch_size, s.max_ongoing_requests) for s in before
+    ]
+
+
+def test_missing_app_is_bad_input(tiny_app, tmp_path: Path, capsys) -> None:
+    code, _, err = _cli(
+        ["tune", "--app", "no-such-app", "--metrics-url", tiny_app.metrics_url, "--out",
+         str(tmp_path), "--quiet"],
+        capsys,
+    )  # fmt: skip
+    assert code == 2 and "no-such-app" in err and APP in err
