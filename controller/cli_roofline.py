@@ -13,6 +13,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 
 import typer
@@ -222,12 +224,24 @@ def calibrate(
     ),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="Comma-separated: fp32,bf16,fp16."),
     name: str = typer.Option(None, "--name", help="Name of the hardware spec."),
+    threads: int = typer.Option(
+        None, "--threads", help="torch CPU threads (default: torch's; match the server's)."
+    ),
     price_per_hour: float = typer.Option(0.0, "--price-per-hour", help="USD per device-hour."),
     as_json: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
 ) -> None:
     """Measure this device (memory bandwidth, matmul peaks, decode-shape throughput) and
     write a hardware JSON that `slotune roofline --hardware` reads."""
+    if "torch" in sys.modules:
+        logger.warning("torch already imported: OMP_WAIT_POLICY cannot be set any more")
+    # Spinning OpenMP threads on a shared CPU distort every figure (FIELD-NOTES).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from search import calibrate as calib  # torch is imported only when calibrating
+
+    if threads is not None:
+        if threads < 1:
+            raise BadInput(f"--threads {threads}: must be >= 1")
+        calib.torch.set_num_threads(threads)
 
     m = _model(model)
     wanted = tuple(d.strip() for d in dtypes.split(",") if d.strip())
@@ -258,30 +272,38 @@ def calibrate(
         highlight=False,
     )
     console.print(
-        f"memory bandwidth     {ms['mem_bandwidth_gb_s']:.1f} GB/s (sum over a filled tensor)\n"
-        f"small-op overhead    {ms['op_overhead_us']:.1f} us",
+        f"memory bandwidth     {ms['mem_bandwidth_gb_s']:.1f} GB/s (sum over a filled tensor)",
         highlight=False,
     )
-    t = Table(title="decode shapes: linear layers (GB/s of weights, GFLOP/s) and attention")
-    t.add_column("dtype")
-    t.add_column("peak GFLOP/s", justify="right")
-    t.add_column("ridge FLOP/B", justify="right")
-    for b in spec.decode[wanted[0]].weight_rate:
-        t.add_column(f"B={b}", justify="right")
+    console.print(
+        "  ".join(
+            f"{d}: matmul peak {spec.peak_flops[d] / 1e9:,.0f} GFLOP/s, "
+            f"ridge {spec.ridge_flops_per_byte(d):.0f} FLOP/B"
+            for d in wanted
+        ),
+        highlight=False,
+    )
+    t = Table(
+        title="decode shapes: the model's linears (weight GB/s | GFLOP/s)", title_justify="left"
+    )
+    t.add_column("batch", justify="right")
     for d in wanted:
-        prof = spec.decode[d]
-        cells = [
-            f"{r / 1e9:.1f} / {ms['decode_linear_gflop_s'][d][b]:.0f}"
-            for b, r in prof.weight_rate.items()
-        ]
-        t.add_row(
-            d, f"{spec.peak_flops[d] / 1e9:,.0f}", f"{spec.ridge_flops_per_byte(d):.0f}", *cells
-        )
+        t.add_column(f"{d} GB/s", justify="right")
+        t.add_column(f"{d} GFLOP/s", justify="right")
+    for b in spec.decode[wanted[0]].weight_rate:
+        cells = []
+        for d in wanted:
+            cells.append(f"{ms['decode_linear_gb_s'][d][b]:.2f}")
+            cells.append(f"{ms['decode_linear_gflop_s'][d][b]:.0f}")
+        t.add_row(str(b), *cells)
     console.print(t)
     for d in wanted:
-        kv = ", ".join(f"B={b}: {r / 1e9:.1f}" for b, r in spec.decode[d].kv_rate.items())
+        kv = ", ".join(f"B={b}: {r / 1e9:.2f}" for b, r in spec.decode[d].kv_rate.items())
+        ov = ", ".join(f"B={b}: {t:.0f}" for b, t in ms["decode_layer_overhead_us"][d].items())
         console.print(
-            f"attention KV read ({d}, context {ms['context']}) GB/s: {kv}", highlight=False
+            f"{d} attention KV read (context {ms['context']}) GB/s: {kv}; "
+            f"rest of a layer (norms, rotary, cache writes) us: {ov}",
+            highlight=False,
         )
     console.print(f"wrote {path}", highlight=False)
     console.print(

@@ -8,9 +8,9 @@ Measures, with torch on the CPU (or the first CUDA device):
 - at decode shapes, per dtype: the rate at which a model's linear layers consume
   weight bytes at batch 1..256 (every linear of the reference model in turn, so
   the working set is the model's and nothing stays cached between passes), the
-  rate at which decode attention reads the KV cache (the serving model's layout:
-  cache ``[slots, len, kv_heads, head_dim]`` read through a transposed view,
-  grouped-query SDPA with a boolean mask), and the fixed cost of one small op.
+  rate at which decode attention reads the KV cache (done the way the serving
+  model does it: see :func:`measure_kv_rate`), and the time a layer spends in
+  everything else (norms, rotary, cache writes: :func:`measure_layer_overhead`).
 
 The result is a :class:`~search.hardware.HardwareSpec` whose ``decode``
 profiles let :class:`~search.roofline.Roofline` predict a real decode step on
@@ -43,21 +43,26 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 @dataclass(frozen=True, kw_only=True)
 class CalibrationPlan:
-    """How much to measure. Presets: ``full`` (~10-30 s on 2 CPU cores), ``quick`` (tests)."""
+    """How much to measure. Presets: ``full`` (~20-30 s on 2 busy CPU cores), ``quick`` (tests).
+
+    On a CPU shared with other work, run with ``OMP_WAIT_POLICY=PASSIVE`` (the CLI
+    sets it): spinning OpenMP threads made skinny GEMMs 10-100x slower here.
+    """
 
     name: str = "full"
     bandwidth_bytes: int = 1 << 30
-    matmul_n: int = 4096
+    matmul_n: int = 2048
     weight_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    kv_batches: tuple[int, ...] = (1, 4, 16, 64, 256)
+    # KV read rates barely move with batch once the cache is far past the caches;
+    # beyond the largest batch the rate is held flat.
+    kv_batches: tuple[int, ...] = (1, 8, 64)
     context: int = 256
     reps: int = 3
-    overhead_iters: int = 2000
 
     def __post_init__(self) -> None:
         if self.bandwidth_bytes < 1 << 20:
             raise ValueError(f"bandwidth_bytes={self.bandwidth_bytes}: must be >= 1 MiB")
-        for name in ("matmul_n", "context", "reps", "overhead_iters"):
+        for name in ("matmul_n", "context", "reps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
@@ -83,7 +88,6 @@ PLANS = {
         kv_batches=(1, 8),
         context=64,
         reps=2,
-        overhead_iters=300,
     ),
 }
 
@@ -209,31 +213,36 @@ def measure_kv_rate(
     context: int,
     reps: int,
 ) -> dict[int, float]:
-    """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each)."""
+    """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each).
+
+    Mirrors serving/model.py's decode attention (keep the two in step): a cache
+    ``[slots, kv_heads, len, head_dim]`` per layer, grouped-query attention as two
+    batched matmuls (the g query heads of a group stacked), fp32 scores, a mask,
+    softmax. Only the shapes matter here: the values are random.
+    """
     dt = TORCH_DTYPES[dtype]
     m = model
+    g = m.heads // m.kv_heads
     out: dict[int, float] = {}
     for b in batches:
-        # One cache pair per layer, as the serving model holds it: [S, L, Hkv, D].
         caches = [
             (
-                torch.empty(b, context, m.kv_heads, m.head_dim, device=dev, dtype=dt).normal_(),
-                torch.empty(b, context, m.kv_heads, m.head_dim, device=dev, dtype=dt).normal_(),
+                torch.empty(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt).normal_(),
+                torch.empty(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt).normal_(),
             )
             for _ in range(m.layers)
-        ]
-        q = torch.randn(b, m.heads, 1, m.head_dim, device=dev).to(dt)  # [B, H, 1, D]
-        mask = torch.ones(b, 1, 1, context, dtype=torch.bool, device=dev)  # [B, 1, 1, Lk]
+        ]  # per layer: [B, Hkv, L, D] x 2, filled (untouched pages would read as zeros)
+        q = torch.randn(b, m.kv_heads, g, m.head_dim, device=dev).to(dt)  # [B, Hkv, g, D]
+        hidden = torch.zeros(b, 1, 1, context, dtype=torch.bool, device=dev)  # [B, 1, 1, L]
 
-        def run(caches: list = caches, q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
+        def run(caches: list = caches, q: torch.Tensor = q, hidden: torch.Tensor = hidden) -> None:
             for k, v in caches:
-                F.scaled_dot_product_attention(
-                    q,
-                    k.transpose(1, 2),  # [B, Hkv, Lk, D]
-                    v.transpose(1, 2),  # [B, Hkv, Lk, D]
-                    attn_mask=mask,
-                    enable_gqa=True,
-                )  # [B, H, 1, D]
+                scores = (
+                    torch.matmul(q, k.transpose(-1, -2)).float() * m.head_dim**-0.5
+                )  # [B, Hkv, g, L]
+                scores = scores.masked_fill(hidden, float("-inf"))
+                probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, L]
+                torch.matmul(probs, v)  # [B, Hkv, g, D]
 
         nbytes = b * context * m.kv_bytes_per_token(BYTES_PER_ELEM[dtype])
         out[b] = nbytes / _time(run, dev, reps)
@@ -242,16 +251,74 @@ def measure_kv_rate(
     return out
 
 
-def measure_op_overhead(dev: torch.device, hidden: int, iters: int) -> float:
-    """Seconds per small elementwise op on a [1, hidden] tensor (dispatch / launch cost)."""
-    a = torch.randn(1, hidden, device=dev)  # [1, hidden]
-    b = torch.randn(1, hidden, device=dev)  # [1, hidden]
+def measure_layer_overhead(
+    dev: torch.device,
+    dtype: str,
+    model: ModelSpec,
+    batches: Sequence[int],
+    context: int,
+    reps: int,
+) -> dict[int, float]:
+    """batch -> seconds per decoder layer outside its linears and attention core.
 
-    def run() -> None:
-        for _ in range(iters):
-            torch.mul(a, b)
+    Runs the rest of serving/model.py's decode block (keep the two in step) at
+    the model's shapes: two RMSNorms in fp32, rotary on q and k, the two cache
+    writes (``index_put_``), reshapes, SwiGLU's activation, residual adds. At
+    these sizes it is dispatch and small-kernel time, the part the bytes miss.
+    """
+    dt = TORCH_DTYPES[dtype]
+    m = model
+    q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    out: dict[int, float] = {}
+    layers = 8
+    for b in batches:
+        x = torch.randn(b, 1, m.hidden, device=dev).to(dt)  # [B, 1, d]
+        w = torch.ones(m.hidden, device=dev, dtype=dt)  # [d]
+        qf = torch.randn(b, 1, q_dim, device=dev).to(dt)  # [B, 1, H*D]
+        kf = torch.randn(b, 1, kv_dim, device=dev).to(dt)  # [B, 1, Hkv*D]
+        gate = torch.randn(b, 1, m.intermediate, device=dev).to(dt)  # [B, 1, I]
+        cos = torch.randn(b, 1, 1, m.head_dim, device=dev).to(dt)  # [B, 1, 1, D]
+        sin = torch.randn(b, 1, 1, m.head_dim, device=dev).to(dt)  # [B, 1, 1, D]
+        caches = [
+            torch.zeros(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt) for _ in range(2)
+        ]  # [S, Hkv, L, D]
+        heads = torch.arange(m.kv_heads, device=dev)
+        pos = torch.full((b, 1), 7, device=dev, dtype=torch.long)  # [B, 1]
+        index = (torch.arange(b, device=dev)[:, None, None], heads[None, None, :], pos[:, :, None])
 
-    return _time(run, dev, 3) / iters
+        def norm(h: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+            hf = h.float()
+            hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return w * hf.to(h.dtype)
+
+        def rope(t: torch.Tensor, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> torch.Tensor:
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+        def run(
+            x: torch.Tensor = x,
+            qf: torch.Tensor = qf,
+            kf: torch.Tensor = kf,
+            gate: torch.Tensor = gate,
+            caches: list = caches,
+            index: tuple = index,
+            b: int = b,
+        ) -> None:
+            h = x
+            for _ in range(layers):
+                n = norm(h)
+                q = rope(qf.view(b, 1, m.heads, m.head_dim))  # [B, 1, H, D]
+                k = rope(kf.view(b, 1, m.kv_heads, m.head_dim))  # [B, 1, Hkv, D]
+                caches[0].index_put_(index, k)
+                caches[1].index_put_(index, kf.view(b, 1, m.kv_heads, m.head_dim))
+                q.transpose(1, 2).reshape(b, m.kv_heads, -1, m.head_dim)
+                h = h + n
+                n = norm(h)
+                h = h + (torch.nn.functional.silu(gate) * gate)[..., : m.hidden]
+
+        out[b] = _time(run, dev, reps) / layers
+        logger.info("%s layer overhead at B=%d: %.1f us", dtype, b, out[b] * 1e6)
+    return out
 
 
 def calibrate(
@@ -273,7 +340,6 @@ def calibrate(
     with torch.inference_mode():
         bw = measure_bandwidth(dev, plan.bandwidth_bytes, plan.reps)
         logger.info("memory bandwidth: %.1f GB/s", bw / 1e9)
-        overhead = measure_op_overhead(dev, model.hidden, plan.overhead_iters)
         peaks: dict[str, float] = {}
         decode: dict[str, DecodeProfile] = {}
         for d in dtypes:
@@ -281,7 +347,8 @@ def calibrate(
             logger.info("%s matmul peak: %.1f GFLOP/s", d, peaks[d] / 1e9)
             wr = measure_weight_rate(dev, d, model, plan.weight_batches, plan.reps)
             kr = measure_kv_rate(dev, d, model, plan.kv_batches, plan.context, plan.reps)
-            decode[d] = DecodeProfile(weight_rate=wr, kv_rate=kr, op_overhead_s=overhead)
+            ov = measure_layer_overhead(dev, d, model, plan.kv_batches, plan.context, plan.reps)
+            decode[d] = DecodeProfile(weight_rate=wr, kv_rate=kr, layer_overhead_s=ov)
     elapsed = time.perf_counter() - t0
     if dev.type == "cuda":
         capacity = float(torch.cuda.get_device_properties(dev).total_memory)
@@ -307,7 +374,6 @@ def calibrate(
         "model": model.name,
         "context": plan.context,
         "mem_bandwidth_gb_s": bw / 1e9,
-        "op_overhead_us": overhead * 1e6,
         "matmul_gflop_s": {d: peaks[d] / 1e9 for d in dtypes},
         "decode_linear_gb_s": {
             d: {b: r / 1e9 for b, r in decode[d].weight_rate.items()} for d in dtypes
@@ -315,6 +381,9 @@ def calibrate(
         "decode_linear_gflop_s": {
             d: {b: 2 * b * r / BYTES_PER_ELEM[d] / 1e9 for b, r in decode[d].weight_rate.items()}
             for d in dtypes
+        },
+        "decode_layer_overhead_us": {
+            d: {b: t * 1e6 for b, t in decode[d].layer_overhead_s.items()} for d in dtypes
         },
         "decode_attention_kv_gb_s": {
             d: {b: r / 1e9 for b, r in decode[d].kv_rate.items()} for d in dtypes

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -56,17 +56,19 @@ class DecodeProfile:
     bandwidth a GEMV really streams and the FLOP/s a skinny GEMM really gets.
     ``kv_rate``: batch -> KV-cache bytes read per second by attention at
     decode shapes (one query token per sequence).
-    ``op_overhead_s``: fixed cost of one small eager op (dispatch, launch).
+    ``layer_overhead_s``: batch -> seconds one decoder layer spends outside its
+    linears and its attention core (norms, rotary, cache writes, reshapes,
+    residual adds: eager dispatch and small kernels).
     """
 
     weight_rate: Mapping[int, float]
     kv_rate: Mapping[int, float]
-    op_overhead_s: float = 0.0
+    layer_overhead_s: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("weight_rate", "kv_rate"):
+        for name in ("weight_rate", "kv_rate", "layer_overhead_s"):
             table = getattr(self, name)
-            if not table:
+            if not table and name != "layer_overhead_s":
                 raise ValueError(f"{name}={table!r}: needs at least one batch -> rate entry")
             clean: dict[int, float] = {}
             for b, r in table.items():
@@ -76,7 +78,6 @@ class DecodeProfile:
                 _positive(f"{name}[{bi}]", r)
                 clean[bi] = float(r)
             object.__setattr__(self, name, MappingProxyType(dict(sorted(clean.items()))))
-        _non_negative("op_overhead_s", self.op_overhead_s)
 
     @staticmethod
     def _interp(table: Mapping[int, float], batch: float) -> float:
@@ -100,18 +101,26 @@ class DecodeProfile:
     def weight_rate_at(self, batch: float) -> float:
         return self._interp(self.weight_rate, batch)
 
-    def kv_rate_at(self, batch: float) -> float:
-        # KV reads scale with batch: below/above the table keep the rate flat.
-        keys = list(self.kv_rate)
+    @classmethod
+    def _flat(cls, table: Mapping[int, float], batch: float) -> float:
+        keys = list(table)
         if batch >= keys[-1]:
-            return self.kv_rate[keys[-1]]
-        return self._interp(self.kv_rate, batch)
+            return table[keys[-1]]
+        return cls._interp(table, batch)
+
+    def kv_rate_at(self, batch: float) -> float:
+        """KV bytes/s at ``batch``; held flat outside the measured batches."""
+        return self._flat(self.kv_rate, batch)
+
+    def layer_overhead_at(self, batch: float) -> float:
+        """Seconds per layer outside linears and attention; flat outside the table."""
+        return self._flat(self.layer_overhead_s, batch) if self.layer_overhead_s else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "weight_rate": {str(k): v for k, v in self.weight_rate.items()},
             "kv_rate": {str(k): v for k, v in self.kv_rate.items()},
-            "op_overhead_s": self.op_overhead_s,
+            "layer_overhead_s": {str(k): v for k, v in self.layer_overhead_s.items()},
         }
 
     @classmethod
@@ -119,7 +128,9 @@ class DecodeProfile:
         return cls(
             weight_rate={int(k): float(v) for k, v in d["weight_rate"].items()},
             kv_rate={int(k): float(v) for k, v in d["kv_rate"].items()},
-            op_overhead_s=float(d.get("op_overhead_s", 0.0)),
+            layer_overhead_s={
+                int(k): float(v) for k, v in (d.get("layer_overhead_s") or {}).items()
+            },
         )
 
 
@@ -192,7 +203,7 @@ class HardwareSpec:
             ) from None
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         d["peak_flops"] = dict(self.peak_flops)
         d["decode"] = {dt: p.to_dict() for dt, p in self.decode.items()}
         return d

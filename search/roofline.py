@@ -27,11 +27,6 @@ from search.models import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-# Small eager ops in one Llama block besides its 7 linears and SDPA: two
-# RMSNorms (~5 ops each), rotary on q and k (~8), cache writes (2), reshapes and
-# residual adds (~4). Used only on calibrated devices, times the measured
-# per-op overhead.
-OPS_PER_LAYER = 24
 MAX_DEFAULT_BATCH = 1024
 
 
@@ -290,7 +285,7 @@ class Roofline:
         if prefill_pairs > 0:
             flops = 4 * m.layers * m.heads * m.head_dim * prefill_pairs / self.tp
             attn_s += flops / self.peak_flops
-        overhead_s = prof.op_overhead_s * OPS_PER_LAYER * m.layers
+        overhead_s = prof.layer_overhead_at(max(decode_batch, 1)) * m.layers
         return linear_s + attn_s + overhead_s + comm
 
     def step_time_s(self, batch: int, *, context: int | None = None) -> float:
