@@ -18,10 +18,10 @@ from controller.report import (
     CurveReport,
     PredictedPoint,
     TrialRecord,
-    plot_png,
     usd_per_million_tokens,
     write_report,
 )
+from controller.report_html import plot_png
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
