@@ -357,3 +357,95 @@ def test_cli_export_of_a_study_without_a_feasible_point_exits_3(tmp_path: Path, 
     run(tmp_path, target, limits=TuneLimits(max_trials=2, time_budget_s=1e6))
     code, _, err = _cli(["export", str(tmp_path / "study.journal"), "--out", str(tmp_path)], capsys)
     assert code == 3 and "no feasible point" in err
+
+
+class _Reader:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[str] = []
+
+    def begin(self):
+        self.calls.append("begin")
+        return "tok"
+
+    def end(self, token, *, start_s, end_s):
+        self.calls.append("end")
+        if self.fail:
+            raise TargetUnavailable("scrape refused")
+        return Observation(start_s=start_s, end_s=end_s, completed=7, slo_met=7, source="fake")
+
+
+def test_measure_window_warms_up_then_measures_until_enough_requests() -> None:
+    import asyncio
+    import time
+
+    from controller.loadgen import LengthDist
+    from controller.targets import RequestShape, WindowPlan, measure_window
+    from tests.controller.test_loadgen import FakeOpenAI, serving
+
+    fake = FakeOpenAI(first_delay_s=0.002, token_delay_s=0.001)
+    reader = _Reader()
+    plan = WindowPlan(warmup_s=0.3, window_s=0.2, max_window_s=20.0, min_requests=40, poll_s=0.05)
+    shape = RequestShape(prompt_tokens=LengthDist(mean=4), output_tokens=LengthDist(mean=3))
+
+    async def go():
+        async with serving(fake) as url:
+            t = time.time()
+            m = await measure_window(
+                url=url.removesuffix("/v1/completions"),
+                knobs=Knobs(max_batch_size=2, max_concurrency=3),
+                slo=SLO,
+                plan=plan,
+                shape=shape,
+                reader=reader,
+            )
+            return m, t
+
+    m, t_start = asyncio.run(go())
+    assert reader.calls == ["begin", "end"]
+    assert m.observation.completed == 7  # the server's view is what the reader said
+    c = m.client
+    assert c is not None and c.source == "client"
+    assert c.start_s >= t_start + 0.3  # the window opens after the warm-up
+    assert c.completed >= 40  # it ran until enough requests finished
+    assert c.window_s < 20.0
+    assert fake.max_in_flight <= 3  # saturating closed loop at the admission limit
+    assert all(p == "/v1/completions" for _, p, _ in fake.hits)
+
+
+def test_measure_window_stops_the_load_when_the_metrics_fail() -> None:
+    import asyncio
+
+    from controller.targets import RequestShape, WindowPlan, measure_window
+    from tests.controller.test_loadgen import FakeOpenAI, serving
+
+    fake = FakeOpenAI(first_delay_s=0.002, token_delay_s=0.001)
+    plan = WindowPlan(warmup_s=0.1, window_s=0.1, max_window_s=1.0, min_requests=0, poll_s=0.05)
+
+    async def go():
+        async with serving(fake) as url:
+            with pytest.raises(TargetUnavailable):
+                await measure_window(
+                    url=url,
+                    knobs=Knobs(max_batch_size=1, max_concurrency=1),
+                    slo=SLO,
+                    plan=plan,
+                    shape=RequestShape(),
+                    reader=_Reader(fail=True),
+                )
+            n = len(fake.hits)
+            await asyncio.sleep(0.3)
+            return n, len(fake.hits)
+
+    before, after = asyncio.run(go())
+    assert after == before  # no load keeps running after the failure
+
+
+def test_scrape_window_turns_an_unreachable_endpoint_into_a_transient_error() -> None:
+    from controller.targets import ScrapeWindow
+    from metrics.sources import ScrapeSource
+    from tests.fixtures.ray_cluster import free_port
+
+    src = ScrapeSource(f"http://127.0.0.1:{free_port()}/metrics", slo=SLO, prefix="ray_")
+    with pytest.raises(TargetUnavailable, match="metrics unavailable"):
+        ScrapeWindow(src).begin()
