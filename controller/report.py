@@ -248,6 +248,25 @@ class CurveReport:
             "mean_goodput_rps": sum(t.goodput_rps for t in same) / len(same),
         }
 
+    def cross_check(self) -> dict[str, Any]:
+        """How far the client's p99s are from the server's: the median over trials of
+        client / server - 1 (positive: the client saw slower), and the trial count."""
+
+        def med(pairs: list[tuple[float, float]]) -> float | None:
+            r = sorted(c / s - 1 for c, s in pairs if math.isfinite(c) and math.isfinite(s) and s)
+            if not r:
+                return None
+            mid = len(r) // 2
+            return r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
+
+        tpot = [(t.client_p99_tpot_ms, t.p99_tpot_ms) for t in self.trials]
+        ttft = [(t.client_p99_ttft_ms, t.p99_ttft_ms) for t in self.trials]
+        return {
+            "trials": sum(t.client_completed > 0 for t in self.trials),
+            "median_p99_tpot_rel_diff": med(tpot),
+            "median_p99_ttft_rel_diff": med(ttft),
+        }
+
     def slo_cut_predicted(self) -> PredictedPoint | None:
         """The largest predicted batch whose TPOT meets the SLO (where the SLO cuts the curve)."""
         ok = [p for p in self.predicted if p.tpot_s <= self.slo.tpot_p99_s]
@@ -271,6 +290,7 @@ class CurveReport:
                 "ridge_flops_per_byte": self.ridge_flops_per_byte,
                 "predicted_batch": self.predicted_batch,
                 "predicted_slo_cut_batch": cut.batch if cut else None,
+                "client_cross_check": self.cross_check(),
                 "stop_reason": self.stop_reason,
                 "meta": dict(self.meta),
                 "trials": [

@@ -225,6 +225,15 @@ def explain(report: CurveReport) -> list[str]:
             f"({(c.client_p99_tpot_ms / c.p99_tpot_ms - 1):+.0%} TPOT against the server's "
             "metrics; the client adds network and HTTP time)."
         )
+    x = report.cross_check()
+    if x["median_p99_tpot_rel_diff"] is not None:
+        ttft = x["median_p99_ttft_rel_diff"]
+        lines.append(
+            f"Over {x['trials']} trials the client-side p99s differ from the server-side ones "
+            f"by a median {x['median_p99_tpot_rel_diff']:+.0%} (TPOT)"
+            + (f" and {ttft:+.0%} (TTFT)" if ttft is not None else "")
+            + "."
+        )
     return lines
 
 

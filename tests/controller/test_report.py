@@ -171,6 +171,9 @@ def test_files_written_with_the_keys_the_issue_lists(tmp_path: Path) -> None:
     assert "knee of the curve near batch 25" in html
     assert "cuts the predicted curve at batch 64" in html
     assert "per million output tokens" in html
+    x = d["client_cross_check"]
+    assert x["trials"] == 4 and x["median_p99_tpot_rel_diff"] == pytest.approx(0.05)
+    assert "median +5% (TPOT)" in html
 
 
 def test_export_round_trip_rebuilds_the_same_json(tmp_path: Path) -> None:
