@@ -261,6 +261,7 @@ def tune(
     prompt_tokens: str = typer.Option("32", "--prompt-tokens", help="N, uniform:A-B, ..."),
     output_tokens: str = typer.Option("16", "--output-tokens", help="N, uniform:A-B, ..."),
     trace: Path = typer.Option(None, "--trace", help="JSONL trace of requests to replay."),
+    served_model: str = typer.Option(None, "--served-model", help="Request 'model' field."),
     model: str = typer.Option("small", "--model", help="Built-in model: tiny | small."),
     max_slots: int = typer.Option(None, "--max-slots", help="KV slots of the built-in app."),
     out: Path = typer.Option(None, "--out", help="Default ./slotune-out/<timestamp>/."),
@@ -299,6 +300,7 @@ def tune(
             prompt_tokens=LengthDist.parse(prompt_tokens),
             output_tokens=LengthDist.parse(output_tokens),
             trace=load_trace(trace) if trace else None,
+            model=served_model,
             seed=seed,
         )
     except (ValueError, OSError) as e:

@@ -161,7 +161,7 @@ class LoadSpec:
     prompt_tokens: LengthDist = field(default_factory=lambda: LengthDist(mean=32))
     output_tokens: LengthDist = field(default_factory=lambda: LengthDist(mean=32))
     trace: tuple[TraceItem, ...] | None = None
-    model: str = "slotune"
+    model: str | None = None  # the "model" field; None leaves it to the server's default
     request_timeout_s: float = 60.0
     seed: int = 0
 
@@ -307,13 +307,15 @@ class _Plan:
 async def _one_request(
     client: httpx.AsyncClient, spec: LoadSpec, prompt: str, n_prompt: int, max_tokens: int
 ) -> RequestRecord:
-    body = {
-        "model": spec.model,
+    body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
+    if spec.model is not None:
+        body["model"] = spec.model
     sent = time.time()
     first: float | None = None
     last: float | None = None

@@ -108,7 +108,7 @@ class RequestShape:
     prompt_tokens: LengthDist = field(default_factory=lambda: LengthDist(mean=32))
     output_tokens: LengthDist = field(default_factory=lambda: LengthDist(mean=16))
     trace: tuple[TraceItem, ...] | None = None
-    model: str = "slotune"
+    model: str | None = None  # None: the server's default model
     request_timeout_s: float = 60.0
     seed: int = 0
 

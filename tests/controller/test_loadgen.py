@@ -33,6 +33,7 @@ class FakeOpenAI:
     admission: int | None = None  # beyond this many in flight: `reject_status`
     reject_status: int = 503
     redirect: bool = False
+    usage_every: int = 0  # > 0: one chunk per this many tokens, then a usage chunk
     hits: list[tuple[str, str, dict]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -73,12 +74,17 @@ class FakeOpenAI:
                 )
                 await writer.drain()
                 await asyncio.sleep(self.first_delay_s)
-                for i in range(int(req["max_tokens"])):
+                n = int(req["max_tokens"])
+                every = self.usage_every or 1
+                for i in range(0, n, every):
                     if i:
                         await asyncio.sleep(self.token_delay_s)
-                    chunk = {"choices": [{"text": "x", "index": 0}]}
+                    chunk = {"choices": [{"text": "x" * min(every, n - i), "index": 0}]}
                     writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     await writer.drain()
+                if self.usage_every:
+                    usage = {"choices": [], "usage": {"completion_tokens": n}}
+                    writer.write(f"data: {json.dumps(usage)}\n\n".encode())
                 writer.write(b"data: [DONE]\n\n")
                 await writer.drain()
             finally:
@@ -121,6 +127,7 @@ def test_closed_loop_sends_exactly_the_count_and_measures_each_stream() -> None:
     assert all(path == "/v1/completions" and m == "POST" for m, path, _ in fake.hits)
     for _, _, body in fake.hits:
         assert body["stream"] is True and body["max_tokens"] == 5 and len(body["prompt"]) == 10
+        assert "model" not in body  # left to the server unless given
     for r in res.records:
         assert r.output_tokens == 5
         assert r.ttft_s >= 0.03 - 1e-3  # the server waited that long before the first token
@@ -350,3 +357,19 @@ def test_client_observation_from_records() -> None:
     assert obs.tpot_verdict.verdict is Verdict.MET and obs.tpot_verdict.samples == 400
     assert obs.ttft_verdict.verdict is not Verdict.MET  # 4 over the threshold: not proven
     assert obs.source == "client"
+
+
+def test_usage_chunk_gives_the_token_count() -> None:
+    fake = FakeOpenAI(first_delay_s=0.001, token_delay_s=0.001, usage_every=3)
+
+    async def go():
+        async with serving(fake) as url:
+            spec = LoadSpec(
+                url=url, concurrency=1, max_requests=2, duration_s=30,
+                output_tokens=LengthDist(mean=7),
+            )  # fmt: skip
+            return await run_load(spec)
+
+    res = asyncio.run(go())
+    assert [r.output_tokens for r in res.records] == [7, 7]  # 3 text chunks, usage says 7
+    assert fake.hits[0][2]["stream_options"] == {"include_usage": True}
