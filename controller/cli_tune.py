@@ -230,7 +230,9 @@ def plan_search(
     seeds = [space.clip(Knobs(max_batch_size=b, max_concurrency=b))]
     for f in (0.5, 1.5):
         bb = max(1, round(b * f))
-        seeds.append(space.clip(Knobs(max_batch_size=bb, max_concurrency=bb)))
+        k = space.clip(Knobs(max_batch_size=bb, max_concurrency=bb))
+        if k not in seeds:
+            seeds.append(k)
     return {
         "roofline": roof,
         "analysis": a,
