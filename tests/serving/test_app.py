@@ -1,0 +1,191 @@
+"""The completion server: pure schema/SSE/metric logic, then the live Ray Serve app.
+
+The Ray tests share one deployment of the ``tiny`` model on the session cluster
+and talk to it over loopback HTTP with the official ``openai`` client and httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from metrics import names
+from metrics.observation import Slo
+from serving import openai_api as oa
+from serving.serve_metrics import BucketLayout, GaugeRefresher, ServeMetrics, slo_met
+
+# -- request parsing ------------------------------------------------------------
+
+MODEL = "slotune-tiny"
+
+
+def parse(**body: object) -> oa.CompletionRequest:
+    return oa.parse_completion_request(body, served_model=MODEL)
+
+
+def test_parse_defaults_follow_openai() -> None:
+    r = parse(model=MODEL, prompt="hi")
+    assert (r.prompt, r.max_tokens, r.temperature, r.stream) == ("hi", 16, 1.0, False)
+    r = parse(prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True, n=1)
+    assert (r.prompt, r.max_tokens, r.temperature, r.stream) == ((1, 2, 3), 5, 0, True)
+    assert parse(prompt=["one"]).prompt == "one"
+    assert parse(prompt="x", stream_options={"include_usage": True}).include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({}, "prompt", "required"),
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens", "-1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "0"),
+        ({"prompt": "x", "max_tokens": 1.5}, "max_tokens", "1.5"),
+        ({"prompt": "x", "max_tokens": "7"}, "max_tokens", "'7'"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "True"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature", "-0.1"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature", "nan"),
+        ({"prompt": "x", "n": 2}, "n", "n=2"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "'yes'"),
+        ({"prompt": "x", "top_p": 0.9}, "top_p", "'top_p'"),
+        ({"prompt": "x", "bogus": 1, "stop": "."}, "bogus", "'stop'"),
+    ],
+)
+def test_parse_rejects_bad_input_naming_the_field(
+    body: dict[str, object], param: str, fragment: str
+) -> None:
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_completion_request(body, served_model=MODEL)
+    assert e.value.status == 400
+    assert e.value.param == param
+    assert fragment in e.value.message
+    err = e.value.body()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] == e.value.message
+
+
+def test_parse_unknown_model_is_404() -> None:
+    with pytest.raises(oa.ApiError) as e:
+        parse(model="gpt-4", prompt="x")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    with pytest.raises(oa.ApiError):
+        oa.parse_completion_request(["not", "a", "dict"], served_model=MODEL)
+
+
+def test_bodies_and_sse_framing() -> None:
+    assert oa.finish_reason(4, 4) == "length" and oa.finish_reason(3, 4) == "stop"
+    body = oa.completion_body(
+        completion_id="cmpl-1", model=MODEL, text="ab", finish="stop", usage_=oa.usage(3, 2)
+    )
+    assert body["choices"][0]["text"] == "ab"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    ev = oa.sse_event(body)
+    assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")
+    assert json.loads(ev[len(b"data: ") : -2]) == body
+    assert oa.SSE_DONE == b"data: [DONE]\n\n"
+    models = oa.models_body(MODEL, created=1)
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_incremental_decoder_never_splits_a_character() -> None:
+    text = "añ€😀z"
+    data = text.encode()  # byte-level "tokens"
+
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    dec = oa.IncrementalDecoder(decode=decode)
+    deltas = [dec.push(b) for b in data]
+    assert "".join(deltas) + dec.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[1] == "" and deltas[2] == "ñ"  # held back until the 2-byte char completes
+
+
+# -- metric emission ---------------------------------------------------------------
+
+
+class _Rec:
+    """A stand-in for ray.serve.metrics classes that records every call."""
+
+    def __init__(self, name: str, description: str = "", **kw: object) -> None:
+        self.name, self.kw, self.calls = name, kw, []
+
+    def observe(self, v: float, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("observe", v, tags))
+
+    def inc(self, v: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("inc", v, tags))
+
+    def set(self, v: float, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("set", v, tags))
+
+
+FAKE = SimpleNamespace(Histogram=_Rec, Counter=_Rec, Gauge=_Rec)
+SLO = Slo(ttft_p99_s=0.5, tpot_p99_s=0.05)
+
+
+def timing(ttft: float, tpot: float | None, n: int) -> SimpleNamespace:
+    return SimpleNamespace(ttft_s=ttft, tpot_s=tpot, queue_wait_s=0.01, generated_tokens=n)
+
+
+@pytest.mark.parametrize(
+    ("t", "met"),
+    [
+        (timing(0.4, 0.04, 10), True),
+        (timing(0.5, 0.05, 10), True),  # at the threshold meets it
+        (timing(0.6, 0.04, 10), False),
+        (timing(0.4, 0.06, 10), False),
+        (timing(0.4, None, 1), True),  # one token: judged on TTFT alone
+        (timing(0.6, None, 1), False),
+        (timing(math.nan, 0.01, 5), False),
+    ],
+)
+def test_slo_met_needs_both_thresholds(t: SimpleNamespace, met: bool) -> None:
+    assert slo_met(t, SLO) is met
+
+
+def test_bucket_layout_contains_the_slo_and_defaults() -> None:
+    b = BucketLayout.for_slo(SLO)
+    assert {0.5, names.DEFAULT_TTFT_SLO_S} <= set(b.ttft)
+    assert {0.05, names.DEFAULT_TPOT_SLO_S} <= set(b.tpot)
+    assert max(hi / lo for lo, hi in zip(b.tpot, b.tpot[1:], strict=False)) <= 1.1 + 1e-9
+
+
+def test_serve_metrics_records_the_contract_names() -> None:
+    m = ServeMetrics(slo=SLO, metrics_module=FAKE)
+    assert m.ttft.name == names.TTFT_SECONDS and m.tpot.name == names.TPOT_SECONDS
+    assert m.ttft.kw["boundaries"] == list(m.buckets.ttft)
+    m.record_finish(timing(0.4, 0.04, 10))
+    m.record_finish(timing(0.9, None, 1))
+    assert m.ttft.calls == [("observe", 0.4, None), ("observe", 0.9, None)]
+    assert m.tpot.calls == [("observe", 0.04, None)]  # no TPOT for a single token
+    assert [c[2] for c in m.requests.calls] == [{"slo_met": "true"}, {"slo_met": "false"}]
+    assert sum(c[1] for c in m.tokens.calls) == 11
+    m.set_slo(Slo(ttft_p99_s=1.0, tpot_p99_s=0.05))  # live change flips the verdict
+    m.record_finish(timing(0.9, None, 1))
+    assert m.requests.calls[-1][2] == {"slo_met": "true"}
+
+
+def test_gauge_refresher_resets_gauges_until_stopped() -> None:
+    m = ServeMetrics(slo=SLO, metrics_module=FAKE)
+    stats = SimpleNamespace(running=3, waiting=1, kv_usage=0.25, max_batch_size=8)
+    seen = threading.Event()
+
+    def read() -> SimpleNamespace:
+        if len(m.running.calls) >= 2:
+            seen.set()
+        return stats
+
+    r = GaugeRefresher(metrics=m, stats=read, period_s=0.01)
+    r.start()
+    assert seen.wait(5)
+    r.stop()
+    n = len(m.running.calls)
+    time.sleep(0.05)
+    assert len(m.running.calls) == n
+    assert m.kv_usage.calls[-1][1] == 0.25 and m.max_batch.calls[-1][1] == 8
