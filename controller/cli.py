@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from controller import cli_roofline, cli_tune
+from controller import cli_roofline, cli_serve, cli_tune
 from controller.errors import BadInput, NoFeasiblePoint
 
 app = typer.Typer(
@@ -37,6 +37,7 @@ def _root(
 # Command registration: one line per command module.
 cli_roofline.register(app)  # roofline, calibrate
 cli_tune.register(app)  # tune, export
+cli_serve.register(app)  # serve
 
 
 def main(argv: list[str] | None = None) -> None:

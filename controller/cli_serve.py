@@ -1,0 +1,145 @@
+"""``slotune serve``: start Ray locally, deploy the completion server, print its URLs.
+
+Ray is started with only what serving needs (no dashboard, a bounded object
+store, metrics exported every second on ``--metrics-port``); Serve's HTTP proxy
+binds loopback. The command blocks until Ctrl-C (or ``--for`` seconds), then
+shuts Serve and Ray down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import typer
+
+from controller.errors import BadInput
+from metrics.observation import Slo
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise BadInput(msg)
+
+
+def serve(
+    model: str = typer.Option("tiny", help="Model preset: tiny | small."),
+    max_batch_size: int = typer.Option(8, help="Decode batch limit (live knob)."),
+    max_ongoing_requests: int = typer.Option(16, help="Admission limit per replica (live)."),
+    max_queued_requests: int = typer.Option(
+        64, help="Requests queued beyond the admission limit before a 503 (-1: unbounded)."
+    ),
+    max_slots: int = typer.Option(64, help="KV-cache slots (the largest possible batch)."),
+    ttft_slo: float = typer.Option(1.0, help="TTFT p99 SLO, seconds (slo_met label)."),
+    tpot_slo: float = typer.Option(0.1, help="TPOT p99 SLO, seconds (slo_met label)."),
+    port: int = typer.Option(8000, help="HTTP port of Serve's proxy (on 127.0.0.1)."),
+    metrics_port: int = typer.Option(8080, help="Ray's metrics export port (Prometheus)."),
+    num_cpus: int = typer.Option(2, help="CPUs Ray may schedule."),
+    torch_threads: int = typer.Option(1, help="torch threads in the replica."),
+    device: str = typer.Option("cpu", help="cpu | cuda[:N]."),
+    checkpoint: str | None = typer.Option(None, help="Local HF-layout checkpoint directory."),
+    app_name: str = typer.Option("slotune", help="Serve application name."),
+    run_for: float = typer.Option(
+        0.0, "--for", help="Serve this many seconds, then exit (0: until Ctrl-C)."
+    ),
+) -> None:
+    """Serve the model locally behind an OpenAI-compatible API (Ray Serve)."""
+    from serving.app import LiveConfig, ServerArgs
+
+    for name, v in (("--port", port), ("--metrics-port", metrics_port)):
+        _check(0 < v < 65536, f"{name} {v}: must be a TCP port in 1..65535")
+    _check(port != metrics_port, f"--port and --metrics-port are both {port}: use two ports")
+    _check(num_cpus >= 1, f"--num-cpus {num_cpus}: must be >= 1")
+    _check(run_for >= 0, f"--for {run_for}: must be >= 0 seconds")
+    _check(max_ongoing_requests >= 1, f"--max-ongoing-requests {max_ongoing_requests}: >= 1")
+    _check(
+        max_queued_requests == -1 or max_queued_requests >= 1,
+        f"--max-queued-requests {max_queued_requests}: must be -1 or >= 1",
+    )
+    try:
+        args = ServerArgs(
+            model=model,
+            max_slots=max_slots,
+            device=device,
+            checkpoint=checkpoint,
+            torch_threads=torch_threads,
+        )
+        slo = Slo(ttft_p99_s=ttft_slo, tpot_p99_s=tpot_slo)
+        LiveConfig(max_batch_size=max_batch_size)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    _check(
+        max_batch_size <= max_slots,
+        f"--max-batch-size {max_batch_size}: must be <= --max-slots {max_slots}",
+    )
+    if checkpoint is not None:
+        _check(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: not a directory")
+
+    for k, v in (
+        ("RAY_USAGE_STATS_ENABLED", "0"),
+        ("RAY_metrics_report_interval_ms", "1000"),
+        ("OMP_WAIT_POLICY", "PASSIVE"),
+    ):
+        os.environ.setdefault(k, v)
+    import ray
+    from ray import serve as ray_serve
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import LoggingConfig
+
+    from serving.deploy import deploy_app
+
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
+    try:
+        ray_serve.start(
+            http_options=HTTPOptions(host=LOOPBACK, port=port),
+            logging_config=LoggingConfig(enable_access_log=False),
+        )
+        t0 = time.monotonic()
+        deploy_app(
+            model=args.model,
+            max_batch_size=max_batch_size,
+            max_ongoing_requests=max_ongoing_requests,
+            max_queued_requests=max_queued_requests,
+            slo=slo,
+            max_slots=max_slots,
+            device=device,
+            checkpoint=checkpoint,
+            torch_threads=torch_threads,
+            name=app_name,
+        )
+        url = f"http://{LOOPBACK}:{port}"
+        typer.echo(f"serving {args.served_name} in {time.monotonic() - t0:.1f} s")
+        typer.echo(f"url: {url}/v1  (POST /v1/completions, GET /v1/models, GET /health)")
+        typer.echo(f"metrics: http://{LOOPBACK}:{metrics_port}/metrics")
+        _block(run_for)
+    finally:
+        try:
+            ray_serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _block(run_for: float) -> None:
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait(run_for if run_for > 0 else None)
+    except KeyboardInterrupt:
+        pass
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
