@@ -14,6 +14,7 @@ import typer
 
 from controller import cli_roofline, cli_serve, cli_tune
 from controller.errors import BadInput, NoFeasiblePoint
+from metrics import cli as cli_metrics
 
 app = typer.Typer(
     name="slotune",
@@ -38,6 +39,7 @@ def _root(
 cli_roofline.register(app)  # roofline, calibrate
 cli_tune.register(app)  # tune, export
 cli_serve.register(app)  # serve
+cli_metrics.register(app)  # observe
 
 
 def main(argv: list[str] | None = None) -> None:

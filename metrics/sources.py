@@ -133,7 +133,7 @@ class ScrapeSource:
         return self.observe(start, end)
 
     def observe(self, start: Snapshot, end: Snapshot) -> Observation:
-        """The Observation of the window between two snapshots (in either order of arrival)."""
+        """The Observation of the window from ``start`` to the later ``end`` snapshot."""
         p, sel = self.prefix, self.selector
         source = f"scrape {self.url}"
         notes: list[str] = []
