@@ -59,16 +59,20 @@ class DecodeProfile:
     ``layer_overhead_s``: batch -> seconds one decoder layer spends outside its
     linears and its attention core (norms, rotary, cache writes, reshapes,
     residual adds: eager dispatch and small kernels).
+    ``step_overhead_s``: batch -> seconds per step outside the layers and the
+    lm_head (embedding and rotary lookups, the mask, final norm, fp32 logits,
+    argmax).
     """
 
     weight_rate: Mapping[int, float]
     kv_rate: Mapping[int, float]
     layer_overhead_s: Mapping[int, float] = field(default_factory=dict)
+    step_overhead_s: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("weight_rate", "kv_rate", "layer_overhead_s"):
+        for name in ("weight_rate", "kv_rate", "layer_overhead_s", "step_overhead_s"):
             table = getattr(self, name)
-            if not table and name != "layer_overhead_s":
+            if not table and name in ("weight_rate", "kv_rate"):
                 raise ValueError(f"{name}={table!r}: needs at least one batch -> rate entry")
             clean: dict[int, float] = {}
             for b, r in table.items():
@@ -116,11 +120,16 @@ class DecodeProfile:
         """Seconds per layer outside linears and attention; flat outside the table."""
         return self._flat(self.layer_overhead_s, batch) if self.layer_overhead_s else 0.0
 
+    def step_overhead_at(self, batch: float) -> float:
+        """Seconds per step outside the layers and the lm_head; flat outside the table."""
+        return self._flat(self.step_overhead_s, batch) if self.step_overhead_s else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "weight_rate": {str(k): v for k, v in self.weight_rate.items()},
             "kv_rate": {str(k): v for k, v in self.kv_rate.items()},
             "layer_overhead_s": {str(k): v for k, v in self.layer_overhead_s.items()},
+            "step_overhead_s": {str(k): v for k, v in self.step_overhead_s.items()},
         }
 
     @classmethod
@@ -131,6 +140,7 @@ class DecodeProfile:
             layer_overhead_s={
                 int(k): float(v) for k, v in (d.get("layer_overhead_s") or {}).items()
             },
+            step_overhead_s={int(k): float(v) for k, v in (d.get("step_overhead_s") or {}).items()},
         )
 
 

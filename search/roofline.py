@@ -285,7 +285,8 @@ class Roofline:
         if prefill_pairs > 0:
             flops = 4 * m.layers * m.heads * m.head_dim * prefill_pairs / self.tp
             attn_s += flops / self.peak_flops
-        overhead_s = prof.layer_overhead_at(max(decode_batch, 1)) * m.layers
+        b = max(decode_batch, 1)
+        overhead_s = prof.layer_overhead_at(b) * m.layers + prof.step_overhead_at(b)
         return linear_s + attn_s + overhead_s + comm
 
     def step_time_s(self, batch: int, *, context: int | None = None) -> float:

@@ -1,0 +1,100 @@
+"""Calibration of the local device: a quick run, its JSON, and its use by the roofline.
+
+No timing assertions: the figures vary with the machine and its load; the tests
+check that every figure is measured, positive, and wired through.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from search.calibrate import (
+    PLANS,
+    CalibrationPlan,
+    calibrate,
+    default_cache_path,
+    measure_bandwidth,
+    measure_kv_rate,
+    pick_device,
+)
+from search.hardware import resolve_hardware
+from search.models import ModelSpec
+from search.roofline import Roofline
+
+TINY = ModelSpec.from_name("slotune-tiny")
+
+
+@pytest.fixture(scope="module")
+def quick():  # one quick calibration shared by the tests below (a few seconds)
+    return calibrate(device="cpu", plan=PLANS["quick"], model=TINY, dtypes=("fp32", "bf16"))
+
+
+def test_quick_calibration_measures_every_figure(quick) -> None:
+    spec = quick.spec
+    assert set(spec.peak_flops) == {"fp32", "bf16"}
+    assert all(math.isfinite(v) and v > 0 for v in spec.peak_flops.values())
+    assert spec.mem_bandwidth > 0 and spec.mem_capacity > 1e9
+    plan = PLANS["quick"]
+    for dt in ("fp32", "bf16"):
+        prof = spec.decode[dt]
+        assert tuple(prof.weight_rate) == plan.weight_batches
+        assert tuple(prof.kv_rate) == plan.kv_batches
+        assert tuple(prof.layer_overhead_s) == plan.kv_batches
+        assert tuple(prof.step_overhead_s) == plan.kv_batches
+    assert quick.measured["model"] == "slotune-tiny"
+    assert "cpu" in spec.source and spec.calibrated
+
+
+def test_calibrated_json_feeds_the_roofline(quick, tmp_path: Path) -> None:
+    path = tmp_path / "hw.json"
+    quick.spec.to_json(path, extra=quick.measured)
+    hw = resolve_hardware(str(path))
+    assert hw == quick.spec
+    r = Roofline(model=TINY, hardware=hw, context=64)
+    assert r.calibrated
+    pts = r.curve(64)
+    assert all(p.tpot_s > 0 and math.isfinite(p.tpot_s) for p in pts)
+    # A calibrated step is never faster than the ideal bounds on the same peaks.
+    for b in (1, 8, 64):
+        mem_s, comp_s = r.bounds_s(decode_batch=b, kv_tokens=b * 64)
+        assert r.step_time_s(b) >= 0.999 * min(mem_s, comp_s)
+
+
+def test_bandwidth_reads_a_filled_tensor() -> None:
+    dev = torch.device("cpu")
+    bw = measure_bandwidth(dev, 64 << 20, reps=2)
+    assert 1e8 < bw < 1e13  # bytes/s: between 0.1 GB/s and 10 TB/s
+
+
+def test_kv_rate_counts_the_bytes_of_every_layer() -> None:
+    # Twice the context is twice the bytes: the rate must stay of the same order,
+    # not double (which would mean the bytes were counted but not read).
+    dev = torch.device("cpu")
+    small = measure_kv_rate(dev, "fp32", TINY, [4], 256, reps=3)[4]
+    large = measure_kv_rate(dev, "fp32", TINY, [4], 512, reps=3)[4]
+    assert small > 0 and large > 0 and large / small < 10
+
+
+def test_bad_requests_name_the_value() -> None:
+    with pytest.raises(ValueError, match="'tpu'.*allowed: cpu, cuda"):
+        pick_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            pick_device("cuda")
+    with pytest.raises(ValueError, match="'fp64'"):
+        calibrate(device="cpu", plan=PLANS["quick"], model=TINY, dtypes=("fp64",))
+    with pytest.raises(ValueError, match="weight_batches"):
+        CalibrationPlan(weight_batches=(4, 2))
+    with pytest.raises(ValueError, match="'huge'"):
+        CalibrationPlan.from_name("huge")
+
+
+def test_cache_path_names_host_and_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    p = default_cache_path(torch.device("cpu"))
+    assert p.parent == tmp_path / "slotune"
+    assert p.name.startswith("hardware-") and "-cpu-" in p.name and p.suffix == ".json"
