@@ -140,7 +140,7 @@ class LiveConfig:
         return cls(**config)
 
     def to_user_config(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
 
 
 def _json_error(e: oa.ApiError) -> JSONResponse:
