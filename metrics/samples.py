@@ -59,7 +59,7 @@ def exact_quantile(samples: Iterable[float], q: float) -> float:
     x = _sorted(samples)
     if x.size == 0:
         return math.nan
-    k = max(1, math.ceil(q * x.size - 1e-12))  # 1-based rank
+    k = max(1, math.ceil(round(q * x.size, 6)))  # 1-based rank; round off float noise in q*n
     return float(x[k - 1])
 
 
