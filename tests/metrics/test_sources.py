@@ -262,3 +262,21 @@ def test_promql_garbled_reply_is_transient(endpoint: TextEndpoint) -> None:
     src = PromQLSource(f"http://{endpoint.address}", slo=SLO)
     with pytest.raises(MetricsUnavailable, match="not JSON"):
         src.observe_range(window_s=30, end_s=1000.0)
+
+
+def test_openmetrics_exposition_is_read(endpoint: TextEndpoint) -> None:
+    from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST
+    from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+
+    em = Emitter(slo=SLO)
+    em.touch(**R1)
+    endpoint.content_type = CONTENT_TYPE_LATEST
+    endpoint.body = om_latest(em.registry).decode()
+    src = ScrapeSource(endpoint.url, slo=SLO)
+    s0 = src.snapshot()
+    for _ in range(12):
+        em.record(0.2, 0.5, 3, **R1)
+    endpoint.body = om_latest(em.registry).decode()
+    obs = src.observe(s0, src.snapshot())
+    assert (obs.completed, obs.slo_met, obs.generated_tokens) == (12, 0, 36)
+    assert obs.tpot_verdict is not None and obs.tpot_verdict.verdict is Verdict.VIOLATED
