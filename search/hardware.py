@@ -13,6 +13,7 @@ rates per device-hour, meant to be overridden with ``--price-per-hour``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -199,6 +200,10 @@ class HardwareSpec:
     @property
     def calibrated(self) -> bool:
         return bool(self.decode)
+
+    def without_calibration(self) -> HardwareSpec:
+        """The same device as peaks only: the roofline then gives its ideal bound."""
+        return dataclasses.replace(self, decode={})
 
     # ---- constructors and persistence -------------------------------------------
 

@@ -210,3 +210,6 @@ def test_calibrated_device_uses_the_measured_rates() -> None:
         name="i", peak_flops={"bf16": 200e9}, mem_bandwidth=25e9, mem_capacity=24e9
     )
     assert Roofline(model=m, hardware=ideal, context=256).step_time_s(1) < r.step_time_s(1)
+    peak_only = Roofline(model=m, hardware=hw.without_calibration(), context=256)
+    assert not peak_only.calibrated
+    assert peak_only.step_time_s(1) == Roofline(model=m, hardware=ideal, context=256).step_time_s(1)
