@@ -400,5 +400,9 @@ class Scheduler:
         s = self._running.get(request_id)
         return None if s is None else s.slot
 
+    def active_ids(self) -> list[str]:
+        """Running then waiting request ids, in admission / arrival order."""
+        return list(self._running) + [w.request_id for w in self._waiting]
+
     def is_active(self, request_id: str) -> bool:
         return request_id in self._running or request_id in self._waiting_ids

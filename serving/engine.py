@@ -1,0 +1,451 @@
+"""The continuous-batching engine: the pure scheduler plus a torch executor.
+
+:class:`Engine` is synchronous: ``step()`` is one schedule / execute / update
+round (serving/scheduler.py documents the policy: all prefilled requests decode
+every step, prompts are prefilled in chunks of at most ``prefill_chunk`` tokens
+per step). :class:`AsyncEngine` runs ``Engine.step`` in a background thread and
+streams tokens to asyncio consumers.
+
+Executor
+--------
+- Decode: one forward for the whole batch. Entries are sorted by slot; when the
+  slots span a range at most ``DENSE_SPAN`` times the batch, the executor feeds
+  the whole slot range and reads the cache as a view (no gather); holes get a
+  dummy row that writes at position ``max_len - 1``, a position no request
+  ever reads (the last token a request may feed is at ``max_len - 2``).
+  Otherwise it gathers the slots with ``index_select``.
+- Prefill: one forward per chunk (batch 1).
+- Sampling: greedy at temperature 0, softmax sampling otherwise, from one
+  seeded generator.
+
+Threads (FIELD-NOTES): torch's intra-op pool is set with ``torch.set_num_threads``
+(``num_threads``; default: the CPUs this process may use). Ray sets
+``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so the setting must be
+explicit. With another busy process on the same cores, spinning OpenMP workers
+made a 2-thread decode step up to 100x slower: set ``OMP_WAIT_POLICY=PASSIVE``
+in the process environment before torch starts its thread pool (the Ray app
+does); the engine warns when it is missing.
+
+Timings use ``clock`` (``time.monotonic`` by default): arrival when a request is
+added, admission at the start of the step that first schedules it, and first/
+last token at the end of the step that sampled them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from serving.checkpoint import load_checkpoint
+from serving.config import ModelConfig
+from serving.model import Transformer, sample
+from serving.scheduler import (
+    Finished,
+    RequestTiming,
+    Scheduler,
+    SchedulerConfig,
+    SeqRequest,
+    StepPlan,
+)
+from serving.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestTiming", "StepOutput"]
+
+DENSE_SPAN = 1.5  # read a slot range as a view if it is at most this many times the batch
+DEFAULT_MAX_LEN = 512
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads; returns the number set."""
+    n = num_threads or len(os.sched_getaffinity(0))
+    if n < 1:
+        raise ValueError(f"num_threads={num_threads!r}: must be a positive integer")
+    torch.set_num_threads(n)
+    if n > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        logger.warning(
+            "OMP_WAIT_POLICY is not PASSIVE: with other work on these cores, "
+            "spinning OpenMP threads can slow decode steps many times over"
+        )
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV slots held
+    max_batch_size: int
+    max_slots: int
+    steps: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    tokens: dict[str, int]  # request id -> token sampled this step
+    finished: list[Finished]
+    plan: StepPlan
+
+
+class Engine:
+    """Scheduler + torch executor, synchronous and thread-safe between steps.
+
+    ``add_request``/``abort``/``set_max_batch_size``/``stats`` may be called
+    from other threads while ``step`` runs: they take a lock that ``step``
+    holds only while scheduling and updating, never while the model runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig | None = None,
+        max_slots: int,
+        max_batch_size: int,
+        max_len: int | None = None,
+        prefill_chunk: int = 256,
+        device: str = "cpu",
+        checkpoint: str | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        num_threads: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available here")
+        if device == "cpu":
+            self.num_threads = configure_threads(num_threads)
+        if checkpoint is not None:
+            self.model = load_checkpoint(checkpoint, dtype=dtype, device=device)
+        elif model_config is not None:
+            cfg = model_config if dtype is None else model_config.replace(dtype=dtype)
+            self.model = Transformer.random(cfg, seed=seed, device=device)
+        else:
+            raise ValueError("Engine needs model_config or checkpoint")
+        self.config = self.model.config
+        self.device = torch.device(device)
+        max_len = max_len or min(self.config.max_position, DEFAULT_MAX_LEN)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_slots=max_slots,
+                max_batch_size=max_batch_size,
+                max_len=max_len,
+                prefill_chunk=prefill_chunk,
+            )
+        )
+        self.max_len = max_len
+        self.model.allocate_cache(max_slots, max_len)
+        self.tokenizer: Tokenizer = load_tokenizer(checkpoint, vocab_size=self.config.vocab_size)
+        self.clock = clock
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._temps: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._steps = 0
+        self._generated = 0
+
+    # ---- requests ----------------------------------------------------------------
+    def validate(self, prompt_ids: object, max_tokens: object, temperature: object = 0.0) -> None:
+        """ValueError naming the bad value if the request cannot be served."""
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        v = self.config.vocab_size
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+                raise ValueError(f"prompt token {t!r}: must be an integer in 0..{v - 1}")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+            raise ValueError(f"temperature={temperature!r}: must be a number")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0")
+        self.scheduler.validate(len(prompt_ids), max_tokens)
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        request_id: str | None = None,
+        stop_ids: Sequence[int] = (),
+        arrival_s: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. ValueError on bad input (nothing else changes)."""
+        self.validate(list(prompt_ids), max_tokens, temperature)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = SeqRequest(
+            request_id=rid,
+            prompt_len=len(prompt_ids),
+            max_tokens=max_tokens,
+            arrival_s=self.clock() if arrival_s is None else arrival_s,
+            prompt_ids=tuple(prompt_ids),
+            stop_ids=frozenset(stop_ids),
+        )
+        with self._lock:
+            self.scheduler.add(req)
+            self._temps[rid] = float(temperature)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; its KV slot is free for the next step."""
+        with self._lock:
+            self._temps.pop(request_id, None)
+            return self.scheduler.abort(request_id)
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (after a failed step); returns their ids."""
+        with self._lock:
+            ids = self.scheduler.active_ids()
+            for rid in ids:
+                self.scheduler.abort(rid)
+            self._temps.clear()
+            return ids
+
+    def set_max_batch_size(self, n: int) -> None:
+        with self._lock:
+            self.scheduler.set_max_batch_size(n)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler
+            return EngineStats(
+                running=s.num_running,
+                waiting=s.num_waiting,
+                kv_usage=s.kv_usage,
+                max_batch_size=s.max_batch_size,
+                max_slots=s.config.max_slots,
+                steps=self._steps,
+                generated_tokens=self._generated,
+            )
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """One schedule / execute / update round."""
+        with self._lock:
+            plan = self.scheduler.schedule(now_s=self.clock())
+            temps = {rid: self._temps.get(rid, 0.0) for rid in plan.sampling_ids()}
+        tokens = self.execute(plan, temps) if not plan.is_empty else {}
+        with self._lock:
+            finished = self.scheduler.update(plan, tokens, now_s=self.clock())
+            for f in finished:
+                self._temps.pop(f.request_id, None)
+            self._steps += 1
+            self._generated += len(tokens)
+        return StepOutput(tokens=tokens, finished=finished, plan=plan)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, temps: dict[str, float]) -> dict[str, int]:
+        """Run the model for one plan; returns the token each sampling request drew."""
+        rows: list[str] = []
+        logits: list[torch.Tensor] = []
+        if plan.decode:
+            rows_d, logits_d = self._decode(plan)
+            rows += rows_d
+            logits.append(logits_d)
+        for c in plan.prefill:
+            assert c.token_ids is not None, "the engine always passes prompt ids"
+            toks = torch.tensor([c.token_ids], device=self.device)  # [1, L]
+            pos = torch.arange(c.start, c.start + c.length, device=self.device)[None]  # [1, L]
+            slot = torch.tensor([c.slot], device=self.device)  # [1]
+            out = self.model(toks, pos, slot, slot_start=c.slot)  # [1, V]
+            if c.last:
+                rows.append(c.request_id)
+                logits.append(out)
+        if not rows:
+            return {}
+        all_logits = torch.cat(logits)  # [R, V]
+        t = torch.tensor([temps.get(r, 0.0) for r in rows], device=self.device)  # [R]
+        drawn = sample(all_logits, t, self._gen).tolist()
+        return dict(zip(rows, drawn, strict=True))
+
+    def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:
+        entries = sorted(plan.decode, key=lambda e: e.slot)
+        lo, hi = entries[0].slot, entries[-1].slot
+        span = hi - lo + 1
+        dev = self.device
+        if span <= DENSE_SPAN * len(entries):
+            tok = [0] * span
+            pos = [self.max_len - 1] * span  # dummy rows: a position nobody reads
+            for e in entries:
+                tok[e.slot - lo] = int(e.token)
+                pos[e.slot - lo] = e.position
+            keep = torch.tensor([e.slot - lo for e in entries], device=dev)  # [B]
+            logits = self.model(
+                torch.tensor(tok, device=dev)[:, None],  # [span, 1]
+                torch.tensor(pos, device=dev)[:, None],  # [span, 1]
+                torch.arange(lo, hi + 1, device=dev),  # [span]
+                slot_start=lo,
+            )  # [span, V]
+            logits = logits.index_select(0, keep)  # [B, V]
+        else:
+            logits = self.model(
+                torch.tensor([[int(e.token)] for e in entries], device=dev),  # [B, 1]
+                torch.tensor([[e.position] for e in entries], device=dev),  # [B, 1]
+                torch.tensor([e.slot for e in entries], device=dev),  # [B]
+            )  # [B, V]
+        return [e.request_id for e in entries], logits
+
+    # ---- conveniences ----------------------------------------------------------------
+    def run_until_idle(self, max_steps: int = 1_000_000) -> list[Finished]:
+        """Step until no request is left; returns everything that finished."""
+        done: list[Finished] = []
+        for _ in range(max_steps):
+            if not self.has_work:
+                break
+            done += self.step().finished
+        return done
+
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, **kw: Any) -> list[int]:
+        """Generate for one prompt synchronously (the engine must have no other work)."""
+        rid = self.add_request(prompt_ids, max_tokens=max_tokens, **kw)
+        for f in self.run_until_idle():
+            if f.request_id == rid:
+                return list(f.output_ids)
+        raise RuntimeError(f"request {rid} did not finish")
+
+
+_DONE = object()
+
+
+class AsyncEngine:
+    """Runs :meth:`Engine.step` in a background thread; safe to use from asyncio.
+
+    ``generate`` yields token ids as they are sampled. When the consumer stops
+    early (``aclose``, cancellation, a dropped client) the request is aborted
+    and its KV slot freed before the next step. ``on_finish(RequestTiming)`` is
+    called from the engine thread for every request that finishes normally
+    (aborted requests are not reported). The finish reason is ``length`` when
+    ``max_tokens`` tokens came back, ``stop`` otherwise.
+    """
+
+    def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
+        self.engine = engine if engine is not None else Engine(**engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.on_finish: Callable[[RequestTiming], None] | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="slotune-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for rid in list(self._streams):
+            self._deliver(rid, RuntimeError("the engine stopped"))
+
+    def validate(self, prompt_ids: list[int], max_tokens: object) -> None:
+        self.engine.validate(prompt_ids, max_tokens)
+
+    def set_max_batch_size(self, n: int) -> None:
+        self.engine.set_max_batch_size(n)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends (without error) and its slot is freed."""
+        self._deliver(request_id, _DONE)
+        self._streams.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        request_id: str | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> AsyncIterator[int]:
+        rid = request_id if request_id is not None else f"areq-{next(self._ids)}"
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("AsyncEngine is not running: call start() first")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        done = False
+        try:
+            self.engine.add_request(
+                prompt_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                request_id=rid,
+                stop_ids=stop_ids,
+            )
+            self._wake.set()
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                self.engine.abort(rid)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _deliver(self, rid: str, item: object) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            self._streams.pop(rid, None)
+            self.engine.abort(rid)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            if not eng.has_work:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                out = eng.step()
+            except Exception as e:  # a failed step fails its requests, not the engine
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for rid, tok in out.tokens.items():
+                self._deliver(rid, tok)
+            for f in out.finished:
+                self._deliver(f.request_id, _DONE)
+                if self.on_finish is not None:
+                    try:
+                        self.on_finish(f.timing)
+                    except Exception:
+                        logger.exception("on_finish failed for %s", f.request_id)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in self.engine.abort_all():
+            self._deliver(rid, RuntimeError(f"engine step failed: {err}"))

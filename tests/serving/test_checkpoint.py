@@ -1,0 +1,137 @@
+"""Hugging Face Llama layout: save a small random checkpoint, load it back; tokenizers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from serving.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
+from serving.config import ModelConfig
+from serving.model import Transformer
+from serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+TINY = ModelConfig.from_name("tiny")
+
+
+@torch.inference_mode()
+def logits_of(m: Transformer) -> torch.Tensor:
+    t = torch.tensor([[1, 2, 3, 4, 5]])
+    return m(t, torch.arange(5)[None], last_only=False)
+
+
+def test_round_trip_in_hf_layout(tmp_path) -> None:
+    src = Transformer.random(TINY, seed=7)
+    d = save_checkpoint(src, tmp_path / "ck")
+    hf = json.loads((d / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForCausalLM"]
+    assert (hf["hidden_size"], hf["num_key_value_heads"], hf["torch_dtype"]) == (256, 4, "bfloat16")
+    names = set(load_file(str(d / "model.safetensors")))
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.layers.3.mlp.down_proj.weight" in names and "lm_head.weight" in names
+    back = load_checkpoint(d)
+    assert back.config == TINY.replace(name="ck")
+    assert torch.equal(logits_of(back), logits_of(src))
+
+
+def test_dtype_override_and_tied_embeddings(tmp_path) -> None:
+    cfg = TINY.replace(tie_embeddings=True)
+    src = Transformer.random(cfg, seed=1)
+    d = save_checkpoint(src, tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(d / "model.safetensors"))
+    back = load_checkpoint(d, dtype="float32")
+    assert back.lm_head.weight.dtype == torch.float32
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(logits_of(back), logits_of(src.float()), atol=1e-2, rtol=1e-2)
+
+
+def test_missing_tensor_named(tmp_path) -> None:
+    d = save_checkpoint(Transformer.random(TINY), tmp_path / "ck")
+    state = load_file(str(d / "model.safetensors"))
+    del state["model.norm.weight"]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing \\['model.norm.weight'\\]"):
+        load_checkpoint(d)
+
+
+def test_shape_mismatch_named(tmp_path) -> None:
+    d = save_checkpoint(Transformer.random(TINY), tmp_path / "ck")
+    hf = json.loads((d / "config.json").read_text())
+    hf["intermediate_size"] = 512
+    (d / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="proj.weight' has shape .*config.json implies"):
+        load_checkpoint(d)
+
+
+def test_sharded_checkpoint_loads(tmp_path) -> None:
+    src = Transformer.random(TINY, seed=3)
+    d = save_checkpoint(src, tmp_path / "ck")
+    state = load_file(str(d / "model.safetensors"))
+    keys = sorted(state)
+    (d / "model.safetensors").unlink()
+    save_file({k: state[k] for k in keys[::2]}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k] for k in keys[1::2]}, str(d / "model-00002-of-00002.safetensors"))
+    assert torch.equal(logits_of(load_checkpoint(d)), logits_of(src))
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling="),
+        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_unsupported_configs_refused(patch, needle) -> None:
+    from serving.checkpoint import config_to_hf
+
+    with pytest.raises(ValueError, match=needle):
+        config_from_hf(config_to_hf(TINY) | patch)
+
+
+def test_missing_field_named() -> None:
+    with pytest.raises(ValueError, match="'hidden_size'"):
+        config_from_hf({"vocab_size": 10})
+
+
+def test_not_a_checkpoint(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_checkpoint(tmp_path)
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = ByteTokenizer(vocab_size=512)
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == text
+    assert tok.decode([tok.BOS, 104, 105, tok.EOS]) == "hi"
+    assert tok.decode([300, 301]) == chr(32 + 300 % 95) + chr(32 + 301 % 95)
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        ByteTokenizer(vocab_size=100)
+
+
+def test_default_tokenizer_is_bytes(tmp_path) -> None:
+    assert isinstance(load_tokenizer(None, vocab_size=512), ByteTokenizer)
+    assert isinstance(load_tokenizer(tmp_path, vocab_size=512), ByteTokenizer)
+
+
+def test_local_tokenizer_json_is_used(tmp_path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tk.decoder = tokenizers.decoders.WordPiece()
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 3, "eos_token_id": [0]}))
+    tok = load_tokenizer(tmp_path, vocab_size=512)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.encode("hello world") == [1, 2]
+    assert tok.decode([1, 2]) == "hello world"
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (3, 0, 4)
+    with pytest.raises(ValueError, match="4 ids but the model's vocab_size is 3"):
+        load_tokenizer(tmp_path, vocab_size=3)
