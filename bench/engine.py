@@ -1,0 +1,180 @@
+"""Decode step time and tokens/s of the engine against the local device's roofline.
+
+For each batch B the engine's executor runs one decode step of B requests in
+slots 0..B-1, each at position ``context - 1`` (so it reads ``context`` cached
+tokens; the cache is filled with random values first: an untouched cache reads
+as shared zero pages and hides its traffic). Reported per batch:
+
+- measured step time (median of the timed reps, after warm-up) and tokens/s;
+- the ideal roofline of the calibrated device, max(bytes / measured bandwidth,
+  FLOPs / measured matmul peak), bytes = weights + B * context * KV bytes per
+  token; ``fraction`` = roofline / measured (1.0 would be perfect);
+- the calibrated model's prediction (search/roofline.py with the decode profile
+  ``search/calibrate.py`` measures in the same run) and its relative error.
+
+The last line is one JSON object: ``roofline_fraction_batch1``,
+``roofline_fraction_max_batch``, ``max_prediction_error`` and the table.
+
+    .venv/bin/python bench/engine.py                      # small, bf16, B = 1..256
+    .venv/bin/python bench/engine.py --model tiny --batches 1,8 --plan quick
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from search.calibrate import PLANS, calibrate
+from search.hardware import HardwareSpec
+from search.models import ModelSpec
+from search.roofline import Roofline
+from serving.config import ModelConfig
+from serving.engine import Engine
+from serving.scheduler import DecodeEntry, StepPlan
+
+SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def spec_for(cfg: ModelConfig) -> ModelSpec:
+    """The roofline catalog's twin of a serving preset; refuses if the shapes differ."""
+    spec = ModelSpec.from_name(f"slotune-{cfg.name}")
+    ours = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
+    theirs = (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab)
+    if ours != theirs:
+        raise SystemExit(f"search/models.py {spec.name} {theirs} != serving preset {ours}")
+    return spec
+
+
+def time_step(eng: Engine, batch: int, context: int, reps: int, budget_s: float) -> float:
+    gen = torch.Generator().manual_seed(batch)
+    toks = torch.randint(0, eng.config.vocab_size, (batch,), generator=gen).tolist()
+    plan = StepPlan(
+        decode=tuple(
+            DecodeEntry(request_id=f"b{i}", slot=i, position=context - 1, token=toks[i])
+            for i in range(batch)
+        )
+    )
+    temps = {f"b{i}": 0.0 for i in range(batch)}
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm-up
+        eng.execute(plan, temps)
+    sync()
+    times: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < reps or (time.perf_counter() < t_end and len(times) < 4 * reps):
+        t0 = time.perf_counter()
+        eng.execute(plan, temps)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small", choices=("tiny", "small"))
+    ap.add_argument("--dtype", default="bfloat16", choices=tuple(SHORT_DTYPE))
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=1.0, help="extra timing time per batch")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--plan", default="full", choices=tuple(PLANS), help="calibration plan")
+    ap.add_argument("--hardware", default=None, help="a calibrated HardwareSpec JSON to use")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = ModelConfig.from_name(args.model, dtype=args.dtype)
+    dt = SHORT_DTYPE[args.dtype]
+    spec = spec_for(cfg)
+
+    eng = Engine(
+        model_config=cfg,
+        max_slots=max(batches),
+        max_batch_size=max(batches),
+        max_len=args.context,
+        device=args.device,
+        num_threads=args.threads,
+    )
+    with torch.no_grad():
+        for c in eng.model.caches():
+            c.normal_()  # a cache never written reads as zero pages: fill it
+    threads = torch.get_num_threads()
+    if args.hardware:
+        hw = HardwareSpec.from_json(args.hardware)
+        cal_s = 0.0
+    else:
+        t0 = time.perf_counter()
+        cal = calibrate(device=args.device, plan=PLANS[args.plan], model=spec, dtypes=(dt,))
+        hw, cal_s = cal.spec, time.perf_counter() - t0
+    ideal = Roofline(model=spec, hardware=hw.without_calibration(), dtype=dt, context=args.context)
+    calibrated = Roofline(model=spec, hardware=hw, dtype=dt, context=args.context)
+
+    rows = []
+    for b in batches:
+        measured = time_step(eng, b, args.context, args.reps, args.budget_s)
+        roof = ideal.step_time_s(b)
+        pred = calibrated.step_time_s(b) if calibrated.calibrated else float("nan")
+        rows.append(
+            {
+                "batch": b,
+                "measured_ms": measured * 1e3,
+                "tokens_per_s": b / measured,
+                "roofline_ms": roof * 1e3,
+                "roofline_fraction": roof / measured,
+                "bound": ideal.bound_at(b),
+                "predicted_ms": pred * 1e3,
+                "prediction_error": (pred - measured) / measured,
+            }
+        )
+
+    print(
+        f"engine decode step: {cfg.name} ({cfg.n_params / 1e6:.0f}M params) {args.dtype}, "
+        f"context {args.context}, {args.device}, {threads} torch threads; "
+        f"device {hw.mem_bandwidth / 1e9:.1f} GB/s, {hw.flops(dt) / 1e9:.0f} GFLOP/s {dt}"
+        + (f" (calibrated in {cal_s:.0f} s)" if cal_s else f" ({args.hardware})")
+    )
+    print(
+        f"{'B':>5} {'step ms':>9} {'tok/s':>9} {'roof ms':>8} {'fraction':>8} "
+        f"{'bound':>7} {'pred ms':>8} {'error':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['measured_ms']:>9.2f} {r['tokens_per_s']:>9.0f} "
+            f"{r['roofline_ms']:>8.2f} {r['roofline_fraction']:>8.2f} {r['bound']:>7} "
+            f"{r['predicted_ms']:>8.2f} {r['prediction_error']:>+7.0%}"
+        )
+    errors = [abs(r["prediction_error"]) for r in rows]
+    print(
+        json.dumps(
+            {
+                "bench": "engine",
+                "model": cfg.name,
+                "dtype": args.dtype,
+                "device": args.device,
+                "threads": threads,
+                "context": args.context,
+                "roofline_fraction_batch1": rows[0]["roofline_fraction"],
+                "roofline_fraction_max_batch": rows[-1]["roofline_fraction"],
+                "max_prediction_error": max(errors),
+                "first_batch": rows[0]["batch"],
+                "max_batch": rows[-1]["batch"],
+                "rows": rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
