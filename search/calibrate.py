@@ -57,7 +57,7 @@ class CalibrationPlan:
     # beyond the largest batch the rate is held flat.
     kv_batches: tuple[int, ...] = (1, 8, 64)
     context: int = 256
-    reps: int = 3
+    reps: int = 2
     budget_s: float = 0.2  # per measured point: keep trying for a quiet moment this long
 
     def __post_init__(self) -> None:
@@ -383,6 +383,22 @@ def measure_step_overhead(
     return out
 
 
+def monotone_rates(
+    table: dict[int, float], work: Callable[[int], float] | None
+) -> dict[int, float]:
+    """Make the time of a point never fall as the batch grows (more work is never
+    faster): a time above a later one was disturbed, so it takes the later one.
+
+    ``table``: batch -> rate of ``work(batch)`` units per second, or (``work`` None)
+    batch -> seconds.
+    """
+    keys = sorted(table)
+    times = {b: (table[b] if work is None else work(b) / table[b]) for b in keys}
+    for lo, hi in zip(reversed(keys[:-1]), reversed(keys[1:]), strict=True):
+        times[lo] = min(times[lo], times[hi])
+    return {b: (times[b] if work is None else work(b) / times[b]) for b in keys}
+
+
 def calibrate(
     *,
     device: str | None = None,
@@ -404,6 +420,7 @@ def calibrate(
         logger.info("memory bandwidth: %.1f GB/s", bw / 1e9)
         peaks: dict[str, float] = {}
         decode: dict[str, DecodeProfile] = {}
+        raw: dict[str, dict[str, dict[int, float]]] = {}
         for d in dtypes:
             peaks[d] = measure_matmul_peak(dev, d, plan.matmul_n, plan.reps, plan.budget_s)
             logger.info("%s matmul peak: %.1f GFLOP/s", d, peaks[d] / 1e9)
@@ -415,8 +432,12 @@ def calibrate(
                 dev, d, model, plan.kv_batches, plan.context, plan.reps, plan.budget_s
             )
             so = measure_step_overhead(dev, d, model, plan.kv_batches, plan.reps, plan.budget_s)
+            raw[d] = {"weight_rate": wr, "kv_rate": kr, "layer_s": ov, "step_s": so}
             decode[d] = DecodeProfile(
-                weight_rate=wr, kv_rate=kr, layer_overhead_s=ov, step_overhead_s=so
+                weight_rate=monotone_rates(wr, lambda b: 1.0),
+                kv_rate=monotone_rates(kr, float),
+                layer_overhead_s=monotone_rates(ov, None),
+                step_overhead_s=monotone_rates(so, None),
             )
     elapsed = time.perf_counter() - t0
     if dev.type == "cuda":
@@ -460,6 +481,7 @@ def calibrate(
         "decode_attention_kv_gb_s": {
             d: {b: r / 1e9 for b, r in decode[d].kv_rate.items()} for d in dtypes
         },
+        "raw": raw,
         "elapsed_s": elapsed,
     }
     return Calibration(spec=spec, measured=measured, elapsed_s=elapsed)

@@ -404,20 +404,25 @@ class RooflineAnalysis:
         r = self.roofline
         op = self.operating_point
         knee = r.knee_batch
-        why_knee = (
-            f"the compute bound overtakes the memory bound at B={knee} "
-            f"(ridge {r.ridge_flops_per_byte:.0f} FLOP/byte)"
-            if r.knee_bound == "compute"
-            else f"at B={knee} the KV cache read per step outweighs the weights, so each "
-            f"added sequence buys less (the compute bound, ridge "
-            f"{r.ridge_flops_per_byte:.0f} FLOP/byte, "
-            + (
-                f"is reached only at B={r.compute_crossover_batch})"
-                if r.compute_crossover_batch
-                else "is never reached at this context)"
+        ridge = f"ridge {r.ridge_flops_per_byte:.0f} FLOP/byte"
+        cross = r.compute_crossover_batch
+        if r.knee_bound == "compute":
+            first = (
+                f"Decode is memory-bound up to the knee at B={knee}, where the compute bound "
+                f"overtakes it ({ridge}): past it each added sequence adds latency and little "
+                "throughput."
             )
-        )
-        lines = [f"Decode is memory-bound below the knee: {why_knee}."]
+        else:
+            where = (
+                f"it turns compute-bound only at B={cross} ({ridge})"
+                if cross
+                else f"at this context it never turns compute-bound ({ridge})"
+            )
+            first = (
+                f"Decode is memory-bound: {where}; the knee is at B={knee}, where the KV cache "
+                "read per step outweighs the weights, so each added sequence buys less."
+            )
+        lines = [first]
         slo_ms = self.slo_tpot_s * 1e3
         if op is None:
             one = self.at(1)
@@ -427,7 +432,7 @@ class RooflineAnalysis:
             )
             return lines
         cost = (
-            f", ${op.usd_per_million_tokens:.3f} per million output tokens"
+            f", ${op.usd_per_million_tokens:.4f} per million output tokens"
             if op.usd_per_million_tokens is not None
             else ""
         )

@@ -19,6 +19,7 @@ from search.calibrate import (
     default_cache_path,
     measure_bandwidth,
     measure_kv_rate,
+    monotone_rates,
     pick_device,
 )
 from search.hardware import resolve_hardware
@@ -41,6 +42,10 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
     plan = PLANS["quick"]
     for dt in ("fp32", "bf16"):
         prof = spec.decode[dt]
+        # Smoothed for the roofline: a larger batch is never predicted faster.
+        times = [1 / prof.weight_rate_at(b) for b in plan.weight_batches]
+        assert times == sorted(times)
+        assert set(quick.measured["raw"][dt]) == {"weight_rate", "kv_rate", "layer_s", "step_s"}
         assert tuple(prof.weight_rate) == plan.weight_batches
         assert tuple(prof.kv_rate) == plan.kv_batches
         assert tuple(prof.layer_overhead_s) == plan.kv_batches
@@ -98,3 +103,18 @@ def test_cache_path_names_host_and_device(monkeypatch: pytest.MonkeyPatch, tmp_p
     p = default_cache_path(torch.device("cpu"))
     assert p.parent == tmp_path / "slotune"
     assert p.name.startswith("hardware-") and "-cpu-" in p.name and p.suffix == ".json"
+
+
+def test_monotone_rates_let_no_larger_batch_be_faster() -> None:
+    # Weight rates: the same bytes at every batch, so time = 1 / rate.
+    assert monotone_rates({1: 5.0, 2: 6.0, 4: 8.0, 8: 4.0}, lambda b: 1.0) == {
+        1: 8.0,
+        2: 8.0,
+        4: 8.0,
+        8: 4.0,
+    }
+    # KV rates: bytes grow with the batch; B=8 took longer than B=64 would allow.
+    kv = monotone_rates({1: 1.0, 8: 2.0, 64: 30.0}, float)
+    assert kv[1] == 1.0 and kv[64] == 30.0 and kv[8] == pytest.approx(8 / (64 / 30))
+    # Plain times.
+    assert monotone_rates({1: 3e-4, 8: 1e-4, 64: 5e-4}, None) == {1: 1e-4, 8: 1e-4, 64: 5e-4}
