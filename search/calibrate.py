@@ -422,7 +422,9 @@ def calibrate(
         decode: dict[str, DecodeProfile] = {}
         raw: dict[str, dict[str, dict[int, float]]] = {}
         for d in dtypes:
-            peaks[d] = measure_matmul_peak(dev, d, plan.matmul_n, plan.reps, plan.budget_s)
+            # A GPU needs a far larger matmul than a CPU to reach its peak.
+            n = max(plan.matmul_n, 8192) if dev.type == "cuda" else plan.matmul_n
+            peaks[d] = measure_matmul_peak(dev, d, n, plan.reps, plan.budget_s)
             logger.info("%s matmul peak: %.1f GFLOP/s", d, peaks[d] / 1e9)
             wr = measure_weight_rate(dev, d, model, plan.weight_batches, plan.reps, plan.budget_s)
             kr = measure_kv_rate(
