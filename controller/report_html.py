@@ -126,9 +126,8 @@ def plot_png(report: CurveReport) -> bytes:
             f"{report.model or 'model'} on {report.hardware or 'device'}: "
             "throughput against latency"
         )
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        _scale_axes(ax, report)
+        ax.grid(alpha=0.3, which="both")
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
         buf = io.BytesIO()
@@ -136,6 +135,25 @@ def plot_png(report: CurveReport) -> bytes:
         return buf.getvalue()
     finally:
         plt.close(fig)
+
+
+def _scale_axes(ax: Any, report: CurveReport) -> None:
+    """Linear from 0 when the prediction and the measurements are of one size; log-log when
+    they are decades apart (a tiny model far below its roofline), so both stay readable."""
+    xs = [_ms(p.tpot_s) for p in report.predicted]
+    ys = [p.tokens_per_s for p in report.predicted]
+    xs += [t.p99_tpot_ms for t in report.trials] + [_ms(report.slo.tpot_p99_s)]
+    ys += [t.tokens_per_s for t in report.trials]
+    xs = [x for x in xs if math.isfinite(x) and x > 0]
+    ys = [y for y in ys if math.isfinite(y) and y > 0]
+    if xs and max(xs) / min(xs) > 30:
+        ax.set_xscale("log")
+    else:
+        ax.set_xlim(left=0)
+    if ys and max(ys) / min(ys) > 30:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
 
 
 _CSS = """

@@ -331,7 +331,6 @@ def _leave_on_known_good(
         why = f"interrupted while applying {knobs}: check the deployment"
     except Exception as e:  # report it: the run's result still stands
         why = f"could not apply {knobs} ({e}): check the deployment"
-    progress.message(why)
     log.info(why)
     return (knobs.max_batch_size, knobs.max_concurrency), why
 
