@@ -24,7 +24,8 @@ from rich.table import Table
 from controller.errors import BadInput, NoFeasiblePoint
 from search.hardware import HARDWARE_NAMES, HardwareSpec, resolve_hardware
 from search.models import MODEL_NAMES, ModelSpec, resolve_model
-from search.roofline import Roofline, RooflineAnalysis, analyze
+from search.operating_point import RooflineAnalysis, analyze
+from search.roofline import Roofline
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from search.roofline import RooflineAnalysis
+from search.operating_point import RooflineAnalysis
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from search.calibrate import (
     calibrate,
     default_cache_path,
     measure_bandwidth,
-    measure_kv_rate,
     monotone_rates,
     pick_device,
 )
+from search.decode_shapes import measure_kv_rate
 from search.hardware import resolve_hardware
 from search.models import ModelSpec
 from search.roofline import Roofline
