@@ -45,6 +45,7 @@ def serve(
     torch_threads: int = typer.Option(1, help="torch threads in the replica."),
     device: str = typer.Option("cpu", help="cpu | cuda[:N]."),
     checkpoint: str | None = typer.Option(None, help="Local HF-layout checkpoint directory."),
+    max_len: int = typer.Option(512, help="Context per request (prompt + output tokens)."),
     app_name: str = typer.Option("slotune", help="Serve application name."),
     run_for: float = typer.Option(
         0.0, "--for", help="Serve this many seconds, then exit (0: until Ctrl-C)."
@@ -69,6 +70,7 @@ def serve(
             max_slots=max_slots,
             device=device,
             checkpoint=checkpoint,
+            max_len=max_len,
             torch_threads=torch_threads,
         )
         slo = Slo(ttft_p99_s=ttft_slo, tpot_p99_s=tpot_slo)
@@ -117,6 +119,7 @@ def serve(
             max_slots=max_slots,
             device=device,
             checkpoint=checkpoint,
+            max_len=max_len,
             torch_threads=torch_threads,
             name=app_name,
         )

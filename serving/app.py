@@ -66,6 +66,7 @@ class ServerArgs:
     max_slots: int = 64  # KV-cache slots: the largest batch the replica can ever run
     device: str = "cpu"
     checkpoint: str | None = None  # local HF-layout directory, or None for random weights
+    max_len: int | None = None  # context per slot (prompt + output); None: the engine's default
     seed: int = 0
     torch_threads: int = 1  # Ray sets OMP_NUM_THREADS=1 in actors: choose deliberately
     served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
@@ -77,6 +78,8 @@ class ServerArgs:
             raise ValueError(f"max_slots={self.max_slots!r}: must be a positive integer")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
+        if self.max_len is not None and (not _is_int(self.max_len) or self.max_len < 2):
+            raise ValueError(f"max_len={self.max_len!r}: must be an integer >= 2 or None")
         if not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be an integer")
         if not _is_int(self.torch_threads) or self.torch_threads < 1:
@@ -159,14 +162,11 @@ class CompletionServer:
     """One replica: an :class:`serving.engine.AsyncEngine` behind OpenAI routes."""
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        import torch
-
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its pool
         from serving.config import ModelConfig
         from serving.engine import AsyncEngine
 
         self.args = ServerArgs.from_args(args)
-        torch.set_num_threads(self.args.torch_threads)
         self.live = LiveConfig(max_batch_size=min(8, self.args.max_slots))
         self.created = int(time.time())
         self.pid = os.getpid()
@@ -177,10 +177,14 @@ class CompletionServer:
             max_batch_size=self.live.max_batch_size,
             device=self.args.device,
             checkpoint=self.args.checkpoint,
+            max_len=self.args.max_len,
             seed=self.args.seed,
+            num_threads=self.args.torch_threads,  # Ray set OMP_NUM_THREADS=1: be explicit
         )
         self.engine.on_finish = self._on_finish
         self.tokenizer = self.engine.tokenizer
+        eos = getattr(self.tokenizer, "eos_id", None)
+        self.stop_ids: tuple[int, ...] = () if eos is None else (eos,)
         self.engine.start()
         self.gauges = GaugeRefresher(metrics=self.metrics, stats=self.engine.stats)
         self.gauges.start()
@@ -208,8 +212,13 @@ class CompletionServer:
         """Record what this replica applied where serving/deploy.py can read it."""
         from ray.experimental import internal_kv
 
+        state = self.state()
+        # Inside reconfigure Ray has applied the new deployment config but not yet
+        # refreshed the replica context: report the mirror carried in user_config.
+        if self.live.max_ongoing_requests is not None:
+            state["max_ongoing_requests"] = self.live.max_ongoing_requests
         internal_kv._internal_kv_put(
-            self._kv_key, json.dumps(self.state()).encode(), namespace=KV_NAMESPACE
+            self._kv_key, json.dumps(state).encode(), namespace=KV_NAMESPACE
         )
 
     def state(self) -> dict[str, Any]:
@@ -306,7 +315,11 @@ class CompletionServer:
 
     def _generate(self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str):
         return self.engine.generate(
-            prompt_ids, max_tokens=req.max_tokens, temperature=req.temperature, request_id=cid
+            prompt_ids,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            request_id=cid,
+            stop_ids=self.stop_ids,
         )
 
     async def _complete(

@@ -141,6 +141,7 @@ def deploy_app(
     route_prefix: str = "/",
     device: str = "cpu",
     checkpoint: str | None = None,
+    max_len: int | None = None,
     seed: int = 0,
     torch_threads: int = 1,
     num_replicas: int = 1,
@@ -150,7 +151,7 @@ def deploy_app(
     """Deploy (or update) the completion server app and wait until it serves.
 
     Ray must be initialised; Serve is started on loopback if it is not running.
-    Changing ``model``/``max_slots``/``device``/``checkpoint``/``seed``/
+    Changing ``model``/``max_slots``/``device``/``checkpoint``/``max_len``/``seed``/
     ``torch_threads`` rebuilds the replicas; the knobs alone update in place.
     """
     slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
@@ -159,6 +160,7 @@ def deploy_app(
         max_slots=max_slots,
         device=device,
         checkpoint=checkpoint,
+        max_len=max_len,
         seed=seed,
         torch_threads=torch_threads,
     )
@@ -253,14 +255,19 @@ def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None
         time.sleep(POLL_S)
 
 
+def _enum_value(v: Any) -> str:
+    """Serve's details hold str enums (``ApplicationStatus.RUNNING``); compare their values."""
+    return str(getattr(v, "value", v))
+
+
 def _running_replicas(client: Any, app_name: str) -> tuple[str, str, list[dict[str, Any]]]:
     details = client.get_serve_details()
     app = details.get("applications", {}).get(app_name)
     if app is None:
         return "NOT_STARTED", "", []
     dep = app.get("deployments", {}).get(DEPLOYMENT_NAME, {})
-    replicas = [r for r in dep.get("replicas", []) if r.get("state") == "RUNNING"]
-    return str(app.get("status")), str(app.get("message", "")), replicas
+    replicas = [r for r in dep.get("replicas", []) if _enum_value(r.get("state")) == "RUNNING"]
+    return _enum_value(app.get("status")), str(app.get("message", "")), replicas
 
 
 def _read_state(app_name: str, replica_id: str) -> dict[str, Any] | None:

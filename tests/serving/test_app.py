@@ -10,8 +10,10 @@ import json
 import math
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from metrics import names
@@ -189,3 +191,203 @@ def test_gauge_refresher_resets_gauges_until_stopped() -> None:
     time.sleep(0.05)
     assert len(m.running.calls) == n
     assert m.kv_usage.calls[-1][1] == 0.25 and m.max_batch.calls[-1][1] == 8
+
+
+# -- the live app on Ray Serve -------------------------------------------------------
+
+APP = "t-app"
+PREFIX = "/t-app"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    from serving.deploy import delete_app, deploy_app
+
+    deploy_app(
+        model="tiny",
+        name=APP,
+        route_prefix=PREFIX,
+        max_slots=16,
+        max_batch_size=8,
+        max_ongoing_requests=16,
+        max_queued_requests=32,
+        slo=Slo(ttft_p99_s=1.0, tpot_p99_s=0.1),
+    )
+    yield SimpleNamespace(base=ray_cluster.http_url + PREFIX, metrics_url=ray_cluster.metrics_url)
+    delete_app(APP)
+
+
+def openai_client(base: str):
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def sse_objects(lines: Iterator[str]) -> Iterator[dict | str]:
+    """The JSON objects of an SSE stream, then the string "[DONE]"."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        yield data if data == "[DONE]" else json.loads(data)
+
+
+def stats(base: str) -> dict:
+    r = httpx.get(base + "/stats", timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def long_prompt_running_to_length(base: str, max_tokens: int) -> str:
+    """A prompt whose greedy continuation does not hit EOS within max_tokens."""
+    client = openai_client(base)
+    for prompt in ("The quick brown fox", "Once upon a time", "abc", "slotune", "0123"):
+        c = client.completions.create(
+            model="slotune-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        if c.choices[0].finish_reason == "length":
+            return prompt
+    pytest.fail("every probe prompt ended on EOS: cannot build a long stream")
+
+
+@pytest.mark.ray
+def test_openai_client_stream_and_non_stream_agree(server) -> None:
+    client = openai_client(server.base)
+    full = client.completions.create(
+        model="slotune-tiny", prompt="Hello, world", max_tokens=12, temperature=0
+    )
+    choice = full.choices[0]
+    assert full.object == "text_completion" and full.model == "slotune-tiny"
+    n = full.usage.completion_tokens
+    assert 1 <= n <= 12
+    assert choice.finish_reason == ("length" if n == 12 else "stop")
+    assert full.usage.prompt_tokens >= len("Hello, world")
+    chunks = list(
+        client.completions.create(
+            model="slotune-tiny",
+            prompt="Hello, world",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text  # greedy: the same tokens either way
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    sampled = client.completions.create(
+        model="slotune-tiny", prompt=[1, 2, 3], max_tokens=5, temperature=1.5
+    )
+    assert sampled.usage.prompt_tokens == 3 and sampled.usage.completion_tokens <= 5
+
+
+@pytest.mark.ray
+def test_models_health_and_unknown_route(server) -> None:
+    assert [m.id for m in openai_client(server.base).models.list().data] == ["slotune-tiny"]
+    r = httpx.get(server.base + "/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = httpx.get(server.base + "/v2/nothing", timeout=30)
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+    r = httpx.get(server.base + "/v1/completions", timeout=30)
+    assert r.status_code == 405
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "x" * 600, "max_tokens": 4}, "exceeds the context length"),
+        ({"prompt": "hi", "max_tokens": 10**7}, "exceeds the context length"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens=-1"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens='many'"),
+        ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens=2.5"),
+        ({"prompt": "hi", "best_of": 2}, "'best_of'"),
+        ({"prompt": [10**9]}, "prompt token"),
+    ],
+)
+def test_bad_input_is_a_400_with_a_json_error(server, body: dict, fragment: str) -> None:
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and fragment in err["message"]
+    r = httpx.post(server.base + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.ray
+def test_openai_client_sees_bad_request_and_server_keeps_serving(server) -> None:
+    import openai
+
+    client = openai_client(server.base)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="slotune-tiny", prompt="hi", max_tokens=-3)
+    ok = client.completions.create(model="slotune-tiny", prompt="hi", max_tokens=3)
+    assert ok.usage.completion_tokens <= 3
+
+
+@pytest.mark.ray
+def test_client_disconnect_mid_stream_frees_the_kv_slot(server) -> None:
+    max_tokens = 400
+    prompt = long_prompt_running_to_length(server.base, 32)
+    assert stats(server.base)["running"] == 0
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = sse_objects(r.iter_lines())
+            got = [next(events) for _ in range(3)]
+            assert all(
+                isinstance(e, dict) and e["choices"][0]["finish_reason"] is None for e in got
+            )
+            mid = stats(server.base)
+            assert mid["running"] == 1 and mid["kv_usage"] > 0
+        # leaving the block closes the connection with the stream unfinished
+    deadline = time.monotonic() + 10
+    while (s := stats(server.base))["running"] or s["kv_usage"]:
+        assert time.monotonic() < deadline, f"slot still held after disconnect: {s}"
+        time.sleep(0.05)
+
+
+def _samples(text: str, name: str, app: str) -> list[tuple[dict, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels.get("application") == app:
+                out.append((s.labels, s.value))
+    return out
+
+
+@pytest.mark.ray
+def test_contract_metrics_on_rays_export_port(server) -> None:
+    client = openai_client(server.base)
+    generated = 0
+    for i in range(3):
+        c = client.completions.create(
+            model="slotune-tiny", prompt=f"metrics {i}", max_tokens=6, temperature=0
+        )
+        generated += c.usage.completion_tokens
+    ttft_bucket = names.exported(names.TTFT_SECONDS) + "_bucket"
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(server.metrics_url, timeout=30).text
+        done = _samples(text, names.exported(names.REQUESTS_TOTAL), APP)
+        if sum(v for _, v in done) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert sum(v for _, v in done) >= 3
+    assert {lab["slo_met"] for lab, _ in done} <= {"true", "false"}
+    assert all(lab["deployment"] == "CompletionServer" and lab["replica"] for lab, _ in done)
+    tokens = _samples(text, names.exported(names.GENERATED_TOKENS_TOTAL), APP)
+    assert sum(v for _, v in tokens) >= generated
+    les = {lab["le"] for lab, _ in _samples(text, ttft_bucket, APP)}
+    assert "1.0" in les and "+Inf" in les  # the SLO threshold is a bucket bound
+    count = _samples(text, names.exported(names.TTFT_SECONDS) + "_count", APP)
+    assert sum(v for _, v in count) >= 3
+    for gauge in (names.RUNNING_REQUESTS, names.KV_CACHE_USAGE_RATIO, names.MAX_BATCH_SIZE):
+        assert _samples(text, names.exported(gauge), APP), f"{gauge} not exported"
+    (mbs,) = _samples(text, names.exported(names.MAX_BATCH_SIZE), APP)
+    assert mbs[1] == 8

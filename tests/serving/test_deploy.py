@@ -7,11 +7,15 @@ stream survives a knob change) and admission control (503 beyond the queue).
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
+from metrics.observation import Slo
 from serving.app import DEPLOYMENT_NAME, LiveConfig, ServerArgs
 from serving.deploy import IMPORT_PATH, app_config
 
@@ -104,3 +108,134 @@ def test_config_round_trips() -> None:
     args = ServerArgs(model="small", max_slots=16, checkpoint=None)
     assert ServerArgs.from_args(args.to_args()) == args
     assert args.served_name == "slotune-small"
+
+
+# -- on the session Ray cluster ---------------------------------------------------------
+
+APP = "t-deploy"
+PREFIX = "/t-deploy"
+
+
+@pytest.fixture(scope="module")
+def deployed(ray_cluster):
+    from serving.deploy import delete_app, deploy_app
+
+    deploy_app(
+        model="tiny",
+        name=APP,
+        route_prefix=PREFIX,
+        max_slots=8,
+        max_batch_size=4,
+        max_ongoing_requests=8,
+        max_queued_requests=16,
+    )
+    yield ray_cluster.http_url + PREFIX
+    delete_app(APP)
+
+
+def _stats(base: str) -> dict:
+    r = httpx.get(base + "/stats", timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def _stream(base: str, body: dict, out: list, first: threading.Event) -> None:
+    """Read one SSE completion into ``out`` (status, then events); set ``first`` on the first."""
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+            out.append(r.status_code)
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: ") :]
+                    out.append(data if data == "[DONE]" else json.loads(data))
+                    first.set()
+    first.set()
+
+
+@pytest.mark.ray
+def test_knob_update_is_in_place_and_in_flight_streams_survive(deployed: str) -> None:
+    from serving.deploy import replica_pids, replica_states, update_knobs
+
+    pids = replica_pids(APP)
+    assert len(pids) == 1
+    max_tokens = 200
+    out: list = []
+    first = threading.Event()
+    body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "temperature": 0}
+    t = threading.Thread(target=_stream, args=(deployed, body, out, first), daemon=True)
+    t.start()
+    assert first.wait(60) and out[0] == 200
+    update_knobs(
+        app_name=APP,
+        max_batch_size=2,
+        max_ongoing_requests=5,
+        slo=Slo(ttft_p99_s=0.5, tpot_p99_s=0.05),
+    )
+    after = _stats(deployed)
+    # The update was applied while the stream was still generating.
+    assert after["running"] == 1, f"stream ended before the update landed: {after}"
+    assert after["max_batch_size"] == 2 and after["max_ongoing_requests"] == 5
+    assert after["live"]["ttft_slo_s"] == 0.5
+    t.join(120)
+    events = out[1:]
+    assert events[-1] == "[DONE]"
+    finals = [e for e in events[:-1] if e["choices"][0]["finish_reason"] is not None]
+    assert [e["choices"][0]["finish_reason"] for e in finals] in (["length"], ["stop"])
+    assert replica_pids(APP) == pids  # no restart
+    (state,) = replica_states(APP)
+    assert (state.pid, state.max_batch_size, state.max_ongoing_requests) == (pids[0], 2, 5)
+
+
+@pytest.mark.ray
+def test_excess_requests_get_a_retryable_503_never_dropped(deployed: str) -> None:
+    from serving.deploy import replica_pids, update_knobs
+
+    pids = replica_pids(APP)
+    update_knobs(app_name=APP, max_batch_size=1, max_ongoing_requests=1, max_queued_requests=1)
+    n = 5
+    statuses: list[int | None] = [None] * n
+    bodies: list[dict] = [{}] * n
+
+    def post(i: int) -> None:
+        r = httpx.post(
+            deployed + "/v1/completions",
+            json={"prompt": f"load {i}", "max_tokens": 60, "temperature": 0},
+            timeout=120,
+        )
+        statuses[i] = r.status_code
+        if r.status_code == 200:
+            bodies[i] = r.json()
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert set(statuses) <= {200, 503}, statuses  # every request answered
+    assert statuses.count(503) >= 1 and statuses.count(200) >= 1, statuses
+    for s, b in zip(statuses, bodies, strict=True):
+        if s == 200:  # admitted requests complete in full
+            assert 1 <= b["usage"]["completion_tokens"] <= 60
+    update_knobs(app_name=APP, max_batch_size=4, max_ongoing_requests=8, max_queued_requests=16)
+    assert replica_pids(APP) == pids
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_changing_args_does_restart_the_replica(deployed: str) -> None:
+    """The control for the no-restart checks: a heavyweight change gives a new pid."""
+    from serving.deploy import deploy_app, replica_pids
+
+    pids = replica_pids(APP)
+    deploy_app(
+        model="tiny",
+        name=APP,
+        route_prefix=PREFIX,
+        max_slots=8,
+        max_batch_size=4,
+        max_ongoing_requests=8,
+        max_queued_requests=16,
+        seed=1,  # part of the app args: a new code version
+    )
+    new = replica_pids(APP)
+    assert len(new) == 1 and new != pids
