@@ -165,3 +165,21 @@ def test_calibrate_quick_writes_json_that_roofline_reads(tmp_path: Path) -> None
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["calibrated"] is True and out["operating_point"]["batch"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--dtypes", "fp64"], "dtype='fp64'.*allowed: fp32, bf16, fp16"),
+        (["--device", "tpu"], "device='tpu'.*allowed: cpu, cuda"),
+        (["--model", "nope"], "'nope'.*allowed:"),
+        (["--threads", "0"], "--threads 0"),
+    ],
+)
+def test_calibrate_bad_input_is_one_line_and_exit_2(
+    args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(["calibrate", "--quick", "--out", str(tmp_path / "x.json"), *args], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(needle, err), err
+    assert not (tmp_path / "x.json").exists()
