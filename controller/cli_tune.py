@@ -497,9 +497,8 @@ def _finish(outcome: Any, out_dir: Path, quiet: bool) -> None:
             + (f", ${cost:.3g} per million tokens" if cost == cost else "")
         )
     lines.append(outcome.final_note)
-    if not quiet or op is None:
-        for line in lines:
-            typer.echo(line, err=op is None)
+    for line in lines:  # the result, even with --quiet (which silences only the progress)
+        typer.echo(line, err=op is None)
     if outcome.interrupted:
         typer.echo("slotune: interrupted; study saved, best so far exported", err=True)
         raise typer.Exit(130)
