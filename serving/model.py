@@ -42,6 +42,33 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias) that can use a oneDNN-prepacked copy of its weight on CPU.
+
+    ``F.linear`` in bf16 streams a skinny decode GEMM at a fraction of the
+    memory bandwidth here (measured 3-6 GB/s at batch 1 against ~20 GB/s for the
+    prepacked weight: the blocked layout inductor's freezing pass uses). Results
+    are bit-identical. The packed copy is a plain attribute: ``state_dict`` and
+    checkpoints keep the ordinary weight.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -78,10 +105,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.q_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.q_proj = Linear(cfg.d_model, cfg.q_dim, bias=False)
+        self.k_proj = Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.v_proj = Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.o_proj = Linear(cfg.q_dim, cfg.d_model, bias=False)
         self.register_buffer("k_cache", torch.empty(0), persistent=False)
         self.register_buffer("v_cache", torch.empty(0), persistent=False)
 
@@ -121,9 +148,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.d_model, bias=False)
+        self.gate_proj = Linear(cfg.d_model, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.d_model, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -184,7 +211,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         cos, sin = rope_tables(cfg, min(cfg.max_position, ROPE_TABLE_DEFAULT))
@@ -218,6 +245,21 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, length)
         dev = self.lm_head.weight.device
         self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
+
+    def prepack(self, enable: bool = True) -> bool:
+        """Use oneDNN-prepacked weights for every linear (CPU bf16 only; see ``Linear``).
+
+        Returns whether packing is on. Call after the model is on its device;
+        ``prepack(False)`` drops the packed copies.
+        """
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        on = enable and can_prepack(self.lm_head.weight)
+        with torch.no_grad():
+            for m in linears:
+                m.packed = (
+                    torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1) if on else None
+                )
+        return on
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
         """Allocate the KV cache once: per layer [max_slots, n_kv_heads, max_len, head_dim]."""

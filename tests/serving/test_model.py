@@ -167,3 +167,17 @@ def test_sample_greedy_and_temperature() -> None:
     assert draws[0][0] == greedy[0] and draws[0][2] == greedy[2]
     many = {int(sample(logits[3:4], torch.tensor([5.0]), g)) for _ in range(50)}
     assert len(many) > 5  # a hot temperature really samples
+
+
+@torch.inference_mode()
+def test_prepacked_linears_are_bit_identical() -> None:
+    m = Transformer.random(ModelConfig.from_name("tiny"), seed=2)  # bf16
+    m.allocate_cache(2, 16)
+    toks, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    plain = m(toks, pos, last_only=False)
+    if not m.prepack():
+        pytest.skip("no oneDNN bf16 on this CPU")
+    assert m.lm_head.packed is not None
+    assert torch.equal(m(toks, pos, last_only=False), plain)
+    assert "lm_head.weight" in m.state_dict()  # checkpoints keep the plain weight
+    assert m.prepack(False) is False and m.lm_head.packed is None
