@@ -6,20 +6,7 @@ every step, prompts are prefilled in chunks of at most ``prefill_chunk`` tokens
 per step). :class:`AsyncEngine` runs ``Engine.step`` in a background thread and
 streams tokens to asyncio consumers.
 
-Executor
---------
-- Decode: one forward for the whole batch. Entries are sorted by slot; when the
-  slots span a range at most ``DENSE_SPAN`` times the batch, the executor feeds
-  the whole slot range and reads the cache as a view (no gather); holes get a
-  dummy row that writes at position ``max_len - 1``, a position no request
-  ever reads (the last token a request may feed is at ``max_len - 2``).
-  Otherwise it gathers the slots with ``index_select``.
-- Prefill: one forward per chunk (batch 1).
-- Linears: on CPU in bf16 the weights are prepacked for oneDNN
-  (``Transformer.prepack``; ``prepack=False`` turns it off): bit-identical
-  results, several times the bandwidth of ``F.linear`` for skinny decode GEMMs.
-- Sampling: greedy at temperature 0, softmax sampling otherwise, from one
-  seeded generator.
+The executor (serving/executor.py) runs the model for a plan.
 
 Threads (FIELD-NOTES): torch's intra-op pool is set with ``torch.set_num_threads``
 (``num_threads``; default: the CPUs this process may use). Ray sets
@@ -51,7 +38,8 @@ import torch
 
 from serving.checkpoint import load_checkpoint
 from serving.config import ModelConfig
-from serving.model import Transformer, sample
+from serving.executor import TorchExecutor
+from serving.model import Transformer
 from serving.scheduler import (
     Finished,
     RequestTiming,
@@ -66,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestTiming", "StepOutput"]
 
-DENSE_SPAN = 1.5  # read a slot range as a view if it is at most this many times the batch
 DEFAULT_MAX_LEN = 512
 
 
@@ -151,9 +138,11 @@ class Engine:
         )
         self.max_len = max_len
         self.model.allocate_cache(max_slots, max_len)
+        self.executor = TorchExecutor(
+            model=self.model, device=self.device, max_len=max_len, seed=seed
+        )
         self.tokenizer: Tokenizer = load_tokenizer(checkpoint, vocab_size=self.config.vocab_size)
         self.clock = clock
-        self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._temps: dict[str, float] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -253,57 +242,9 @@ class Engine:
             self._generated += len(tokens)
         return StepOutput(tokens=tokens, finished=finished, plan=plan)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, temps: dict[str, float]) -> dict[str, int]:
-        """Run the model for one plan; returns the token each sampling request drew."""
-        rows: list[str] = []
-        logits: list[torch.Tensor] = []
-        if plan.decode:
-            rows_d, logits_d = self._decode(plan)
-            rows += rows_d
-            logits.append(logits_d)
-        for c in plan.prefill:
-            assert c.token_ids is not None, "the engine always passes prompt ids"
-            toks = torch.tensor([c.token_ids], device=self.device)  # [1, L]
-            pos = torch.arange(c.start, c.start + c.length, device=self.device)[None]  # [1, L]
-            slot = torch.tensor([c.slot], device=self.device)  # [1]
-            out = self.model(toks, pos, slot, slot_start=c.slot)  # [1, V]
-            if c.last:
-                rows.append(c.request_id)
-                logits.append(out)
-        if not rows:
-            return {}
-        all_logits = torch.cat(logits)  # [R, V]
-        t = torch.tensor([temps.get(r, 0.0) for r in rows], device=self.device)  # [R]
-        drawn = sample(all_logits, t, self._gen).tolist()
-        return dict(zip(rows, drawn, strict=True))
-
-    def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:
-        entries = sorted(plan.decode, key=lambda e: e.slot)
-        lo, hi = entries[0].slot, entries[-1].slot
-        span = hi - lo + 1
-        dev = self.device
-        if span <= DENSE_SPAN * len(entries):
-            tok = [0] * span
-            pos = [self.max_len - 1] * span  # dummy rows: a position nobody reads
-            for e in entries:
-                tok[e.slot - lo] = int(e.token)
-                pos[e.slot - lo] = e.position
-            keep = torch.tensor([e.slot - lo for e in entries], device=dev)  # [B]
-            logits = self.model(
-                torch.tensor(tok, device=dev)[:, None],  # [span, 1]
-                torch.tensor(pos, device=dev)[:, None],  # [span, 1]
-                torch.arange(lo, hi + 1, device=dev),  # [span]
-                slot_start=lo,
-            )  # [span, V]
-            logits = logits.index_select(0, keep)  # [B, V]
-        else:
-            logits = self.model(
-                torch.tensor([[int(e.token)] for e in entries], device=dev),  # [B, 1]
-                torch.tensor([[e.position] for e in entries], device=dev),  # [B, 1]
-                torch.tensor([e.slot for e in entries], device=dev),  # [B]
-            )  # [B, V]
-        return [e.request_id for e in entries], logits
+        """Run the model for one plan (see serving/executor.py)."""
+        return self.executor.execute(plan, temps)
 
     # ---- conveniences ----------------------------------------------------------------
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[Finished]:
@@ -441,6 +382,9 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(e)
                 continue
+            if out.plan.is_empty:  # nothing runnable (cannot happen today): do not spin
+                self._wake.wait(timeout=0.01)
+                self._wake.clear()
             for rid, tok in out.tokens.items():
                 self._deliver(rid, tok)
             for f in out.finished:

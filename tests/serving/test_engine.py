@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-import serving.engine as engine_mod
+import serving.executor as executor_mod
 from serving.config import ModelConfig
 from serving.engine import AsyncEngine, Engine
 
@@ -38,9 +38,9 @@ def greedy_reference(eng: Engine, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("dense_span", [engine_mod.DENSE_SPAN, 0.0])  # view path; gather path
+@pytest.mark.parametrize("dense_span", [executor_mod.DENSE_SPAN, 0.0])  # view path; gather path
 def test_batched_cached_greedy_equals_full_recompute(monkeypatch, dense_span) -> None:
-    monkeypatch.setattr(engine_mod, "DENSE_SPAN", dense_span)
+    monkeypatch.setattr(executor_mod, "DENSE_SPAN", dense_span)
     eng = make_engine()
     g = torch.Generator().manual_seed(11)
     # (join at step, prompt length, max_tokens): different lengths, joining at

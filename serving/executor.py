@@ -1,0 +1,88 @@
+"""The torch executor: runs the decode model for one :class:`StepPlan`.
+
+- Decode: one forward for the whole batch. Entries are sorted by slot; when the
+  slots span a range at most ``DENSE_SPAN`` times the batch, the executor feeds
+  the whole slot range and reads the cache as a view (no gather); holes get a
+  dummy row that writes at position ``max_len - 1``, a position no request
+  ever reads (the last token a request may feed is at ``max_len - 2``).
+  Otherwise it gathers the slots with ``index_select``.
+- Prefill: one forward per chunk (batch 1).
+- Linears: on CPU in bf16 the engine prepacks the weights for oneDNN
+  (``Transformer.prepack``): bit-identical results, several times the bandwidth
+  of ``F.linear`` for skinny decode GEMMs.
+- Sampling: greedy at temperature 0, softmax sampling otherwise, from one
+  seeded generator.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from serving.model import Transformer, sample
+from serving.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+DENSE_SPAN = 1.5  # read a slot range as a view if it is at most this many times the batch
+
+
+class TorchExecutor:
+    def __init__(
+        self, *, model: Transformer, device: torch.device, max_len: int, seed: int = 0
+    ) -> None:
+        self.model, self.device, self.max_len = model, device, max_len
+        self._gen = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, temps: dict[str, float]) -> dict[str, int]:
+        """Run the model for one plan; returns the token each sampling request drew."""
+        rows: list[str] = []
+        logits: list[torch.Tensor] = []
+        if plan.decode:
+            rows_d, logits_d = self._decode(plan)
+            rows += rows_d
+            logits.append(logits_d)
+        for c in plan.prefill:
+            assert c.token_ids is not None, "the engine always passes prompt ids"
+            toks = torch.tensor([c.token_ids], device=self.device)  # [1, L]
+            pos = torch.arange(c.start, c.start + c.length, device=self.device)[None]  # [1, L]
+            slot = torch.tensor([c.slot], device=self.device)  # [1]
+            out = self.model(toks, pos, slot, slot_start=c.slot)  # [1, V]
+            if c.last:
+                rows.append(c.request_id)
+                logits.append(out)
+        if not rows:
+            return {}
+        all_logits = torch.cat(logits)  # [R, V]
+        t = torch.tensor([temps.get(r, 0.0) for r in rows], device=self.device)  # [R]
+        drawn = sample(all_logits, t, self._gen).tolist()
+        return dict(zip(rows, drawn, strict=True))
+
+    def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:
+        entries = sorted(plan.decode, key=lambda e: e.slot)
+        lo, hi = entries[0].slot, entries[-1].slot
+        span = hi - lo + 1
+        dev = self.device
+        if span <= DENSE_SPAN * len(entries):
+            tok = [0] * span
+            pos = [self.max_len - 1] * span  # dummy rows: a position nobody reads
+            for e in entries:
+                tok[e.slot - lo] = int(e.token)
+                pos[e.slot - lo] = e.position
+            keep = torch.tensor([e.slot - lo for e in entries], device=dev)  # [B]
+            logits = self.model(
+                torch.tensor(tok, device=dev)[:, None],  # [span, 1]
+                torch.tensor(pos, device=dev)[:, None],  # [span, 1]
+                torch.arange(lo, hi + 1, device=dev),  # [span]
+                slot_start=lo,
+            )  # [span, V]
+            logits = logits.index_select(0, keep)  # [B, V]
+        else:
+            logits = self.model(
+                torch.tensor([[int(e.token)] for e in entries], device=dev),  # [B, 1]
+                torch.tensor([[e.position] for e in entries], device=dev),  # [B, 1]
+                torch.tensor([e.slot for e in entries], device=dev),  # [B]
+            )  # [B, V]
+        return [e.request_id for e in entries], logits
