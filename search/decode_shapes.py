@@ -52,8 +52,19 @@ def best_time(
     return best
 
 
-def _linear_shapes(model: ModelSpec) -> list[tuple[int, int]]:
-    """(out, in) of every linear one decode step runs, in order, lm_head last."""
+# Working sets larger than any cache, smaller than memory: a big model is timed on
+# as many of its layers as fit in this (rates are per byte, so they carry over).
+MAX_WORKING_SET_BYTES = 1 << 30
+
+
+def _layers_within(per_layer_bytes: int, layers: int) -> int:
+    return max(1, min(layers, MAX_WORKING_SET_BYTES // max(1, per_layer_bytes)))
+
+
+def _linear_shapes(model: ModelSpec, bytes_per_elem: int = 2) -> list[tuple[int, int]]:
+    """(out, in) of every linear one decode step runs, in order, lm_head last (of a model
+    too big for :data:`MAX_WORKING_SET_BYTES`: the layers that fit, and the lm_head if
+    it fits too)."""
     m = model
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     layer = [
@@ -65,7 +76,14 @@ def _linear_shapes(model: ModelSpec) -> list[tuple[int, int]]:
         (m.intermediate, m.hidden),
         (m.hidden, m.intermediate),
     ]
-    return layer * m.layers + [(m.vocab, m.hidden)]
+    per_layer = sum(o * i for o, i in layer) * bytes_per_elem
+    n = _layers_within(per_layer, m.layers)
+    head = [(m.vocab, m.hidden)]
+    if n < m.layers and (n * per_layer + m.vocab * m.hidden * bytes_per_elem) > (
+        MAX_WORKING_SET_BYTES
+    ):
+        head = []
+    return layer * n + head
 
 
 def measure_weight_rate(
@@ -78,7 +96,7 @@ def measure_weight_rate(
 ) -> dict[int, float]:
     """batch -> weight bytes/s that the model's linears consume at that batch."""
     dt = TORCH_DTYPES[dtype]
-    shapes = _linear_shapes(model)
+    shapes = _linear_shapes(model, BYTES_PER_ELEM[dtype])
     weights = [torch.empty(o, i, device=dev, dtype=dt).normal_(0, 0.02) for o, i in shapes]
     total = sum(w.numel() for w in weights) * BYTES_PER_ELEM[dtype]
     out: dict[int, float] = {}
@@ -115,12 +133,14 @@ def measure_kv_rate(
     g = m.heads // m.kv_heads
     out: dict[int, float] = {}
     for b in batches:
+        per_layer = 2 * b * m.kv_heads * context * m.head_dim * BYTES_PER_ELEM[dtype]
+        layers = _layers_within(per_layer, m.layers)
         caches = [
             (
                 torch.empty(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt).normal_(),
                 torch.empty(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt).normal_(),
             )
-            for _ in range(m.layers)
+            for _ in range(layers)
         ]  # per layer: [B, Hkv, L, D] x 2, filled (untouched pages would read as zeros)
         q = torch.randn(b, m.kv_heads, g, m.head_dim, device=dev).to(dt)  # [B, Hkv, g, D]
         hidden = torch.zeros(b, 1, 1, context, dtype=torch.bool, device=dev)  # [B, 1, 1, L]
@@ -134,7 +154,7 @@ def measure_kv_rate(
                 probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, L]
                 torch.matmul(probs, v)  # [B, Hkv, g, D]
 
-        nbytes = b * context * m.kv_bytes_per_token(BYTES_PER_ELEM[dtype])
+        nbytes = layers * per_layer
         out[b] = nbytes / best_time(run, dev, reps, budget_s)
         logger.info("%s KV rate at B=%d: %.2f GB/s", dtype, b, out[b] / 1e9)
         del caches

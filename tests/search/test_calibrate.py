@@ -128,3 +128,13 @@ def test_quick_calibration_on_cuda() -> None:
     assert spec.flops("bf16") > 1e12 and spec.mem_bandwidth > 1e11  # any datacenter GPU
     r = Roofline(model=TINY, hardware=spec, context=64)
     assert r.calibrated and r.step_time_s(8) > 0
+
+
+def test_big_models_are_timed_on_the_layers_that_fit() -> None:
+    from search.decode_shapes import MAX_WORKING_SET_BYTES, _linear_shapes
+
+    small = _linear_shapes(ModelSpec.from_name("slotune-small"))
+    assert len(small) == 12 * 7 + 1  # every linear and the lm_head
+    big = _linear_shapes(ModelSpec.from_name("llama-3.1-8b"))
+    assert 7 <= len(big) < 32 * 7 and len(big) % 7 == 0
+    assert sum(o * i for o, i in big) * 2 <= MAX_WORKING_SET_BYTES
