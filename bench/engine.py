@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=1.0, help="extra timing time per batch")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument(
+        "--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads"
+    )
     ap.add_argument("--plan", default="full", choices=tuple(PLANS), help="calibration plan")
     ap.add_argument("--hardware", default=None, help="a calibrated HardwareSpec JSON to use")
     args = ap.parse_args()

@@ -9,9 +9,9 @@ streams tokens to asyncio consumers.
 The executor (serving/executor.py) runs the model for a plan.
 
 Threads (FIELD-NOTES): torch's intra-op pool is set with ``torch.set_num_threads``
-(``num_threads``; default: the CPUs this process may use). Ray sets
-``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so the setting must be
-explicit. With another busy process on the same cores, spinning OpenMP workers
+(``num_threads``; None keeps what the process set, as the Ray app sets it
+itself). Ray sets ``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so
+the setting must be explicit somewhere. With another busy process on the same cores, spinning OpenMP workers
 made a 2-thread decode step up to 100x slower: set ``OMP_WAIT_POLICY=PASSIVE``
 in the process environment before torch starts its thread pool (the Ray app
 does); the engine warns when it is missing.
@@ -58,11 +58,16 @@ DEFAULT_MAX_LEN = 512
 
 
 def configure_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op threads; returns the number set."""
-    n = num_threads or len(os.sched_getaffinity(0))
-    if n < 1:
+    """Set torch's intra-op threads (None: keep the process's setting); returns the count."""
+    if num_threads is not None and (
+        not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+    ):
         raise ValueError(f"num_threads={num_threads!r}: must be a positive integer")
-    torch.set_num_threads(n)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    n = torch.get_num_threads()
+    if n < len(os.sched_getaffinity(0)):
+        logger.info("torch uses %d of %d CPUs", n, len(os.sched_getaffinity(0)))
     if n > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         logger.warning(
             "OMP_WAIT_POLICY is not PASSIVE: with other work on these cores, "
