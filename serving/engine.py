@@ -11,10 +11,10 @@ The executor (serving/executor.py) runs the model for a plan.
 Threads (FIELD-NOTES): torch's intra-op pool is set with ``torch.set_num_threads``
 (``num_threads``; None keeps what the process set, as the Ray app sets it
 itself). Ray sets ``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so
-the setting must be explicit somewhere. With another busy process on the same cores, spinning OpenMP workers
-made a 2-thread decode step up to 100x slower: set ``OMP_WAIT_POLICY=PASSIVE``
-in the process environment before torch starts its thread pool (the Ray app
-does); the engine warns when it is missing.
+the setting must be explicit somewhere. With another busy process on the same
+cores, spinning OpenMP workers made a 2-thread decode step up to 100x slower:
+set ``OMP_WAIT_POLICY=PASSIVE`` in the process environment before torch starts
+its thread pool (the Ray app does); the engine warns when it is missing.
 
 Timings use ``clock`` (``time.monotonic`` by default): arrival when a request is
 added, admission at the start of the step that first schedules it, and first/
