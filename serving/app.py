@@ -48,6 +48,7 @@ DEVICES = ("cpu", "cuda")
 # Where replicas publish the live config they applied (Ray's internal KV):
 # key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
 KV_NAMESPACE = "slotune"
+DEFAULT_STREAM_INTERVAL_S = 0.02
 
 
 def _is_int(v: object) -> bool:
@@ -70,6 +71,9 @@ class ServerArgs:
     seed: int = 0
     torch_threads: int = 1  # Ray sets OMP_NUM_THREADS=1 in actors: choose deliberately
     served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
+    # Streamed text is sent at most this often per request (the first token at
+    # once); a step slower than this is never delayed. See openai_api.py.
+    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS:
@@ -82,6 +86,9 @@ class ServerArgs:
             raise ValueError(f"max_len={self.max_len!r}: must be an integer >= 2 or None")
         if not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be an integer")
+        s = self.stream_interval_s
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 1:
+            raise ValueError(f"stream_interval_s={s!r}: must be a number of seconds in [0, 1]")
         if not _is_int(self.torch_threads) or self.torch_threads < 1:
             raise ValueError(f"torch_threads={self.torch_threads!r}: must be a positive integer")
 
@@ -344,47 +351,24 @@ class CompletionServer:
     async def _stream(
         self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
     ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        model = self.args.served_name
-        decoder = oa.IncrementalDecoder(decode=self.tokenizer.decode)
-        n = 0
-        try:
-            async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as tokens:
-                async for tok in tokens:
-                    n += 1
-                    delta = decoder.push(tok)
-                    if delta:
-                        yield oa.sse_event(
-                            oa.completion_body(
-                                completion_id=cid,
-                                model=model,
-                                text=delta,
-                                finish=None,
-                                created=created,
-                            )
-                        )
-        except asyncio.CancelledError:
-            logger.info("request %s cancelled after %d tokens (client gone)", cid, n)
-            raise
-        yield oa.sse_event(
-            oa.completion_body(
-                completion_id=cid,
-                model=model,
-                text=decoder.flush(),
-                finish=oa.finish_reason(n, req.max_tokens),
-                created=created,
-            )
-        )
-        if req.include_usage:
-            yield oa.sse_event(
-                oa.usage_chunk(
+        # aclosing: a cancelled request (client gone) aborts the engine request
+        # and frees its KV slot at once.
+        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as tokens:
+            try:
+                async for chunk in oa.sse_completion_stream(
+                    tokens,
+                    decode=self.tokenizer.decode,
                     completion_id=cid,
-                    model=model,
-                    created=created,
-                    usage_=oa.usage(len(prompt_ids), n),
-                )
-            )
-        yield oa.SSE_DONE
+                    model=self.args.served_name,
+                    max_tokens=req.max_tokens,
+                    prompt_tokens=len(prompt_ids),
+                    include_usage=req.include_usage,
+                    interval_s=self.args.stream_interval_s,
+                ):
+                    yield chunk
+            except asyncio.CancelledError:
+                logger.info("request %s cancelled (client gone)", cid)
+                raise
 
 
 def app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -13,7 +13,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,3 +271,65 @@ class IncrementalDecoder:
         delta = text[self.emitted :]
         self.emitted = len(text)
         return delta
+
+
+async def sse_completion_stream(
+    tokens: AsyncIterator[int],
+    *,
+    decode: Callable[[Sequence[int]], str],
+    completion_id: str,
+    model: str,
+    max_tokens: int,
+    prompt_tokens: int,
+    include_usage: bool = False,
+    interval_s: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed completion, from the engine's token stream.
+
+    The first text goes out at once; after it, text is sent when ``interval_s``
+    has passed since the last event (a token arriving later than that goes out
+    at once, so a step slower than the interval is never delayed). Coalescing
+    bounds the per-event cost of the transport at small step times. The end is
+    one write: the last text with its finish reason, the usage chunk if asked
+    for, and ``[DONE]``.
+    """
+    created = int(time.time())
+    decoder = IncrementalDecoder(decode=decode)
+    n = 0
+    pending = ""
+    sent_any = False
+    last = clock()
+    async for tok in tokens:
+        n += 1
+        pending += decoder.push(tok)
+        if pending and (not sent_any or clock() - last >= interval_s):
+            yield sse_event(
+                completion_body(
+                    completion_id=completion_id,
+                    model=model,
+                    text=pending,
+                    finish=None,
+                    created=created,
+                )
+            )
+            pending, sent_any, last = "", True, clock()
+    tail = sse_event(
+        completion_body(
+            completion_id=completion_id,
+            model=model,
+            text=pending + decoder.flush(),
+            finish=finish_reason(n, max_tokens),
+            created=created,
+        )
+    )
+    if include_usage:
+        tail += sse_event(
+            usage_chunk(
+                completion_id=completion_id,
+                model=model,
+                created=created,
+                usage_=usage(prompt_tokens, n),
+            )
+        )
+    yield tail + SSE_DONE

@@ -391,3 +391,55 @@ def test_contract_metrics_on_rays_export_port(server) -> None:
         assert _samples(text, names.exported(gauge), APP), f"{gauge} not exported"
     (mbs,) = _samples(text, names.exported(names.MAX_BATCH_SIZE), APP)
     assert mbs[1] == 8
+
+
+def _run_stream(steps: list[tuple[int, float]], **kw: object) -> tuple[list, list[bytes]]:
+    """Drive sse_completion_stream with (token, clock-at-arrival) pairs."""
+    import asyncio
+
+    now = [0.0]
+
+    async def tokens():
+        for tok, t in steps:
+            now[0] = t
+            yield tok
+
+    async def collect() -> list[bytes]:
+        return [
+            c
+            async for c in oa.sse_completion_stream(
+                tokens(),
+                decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+                completion_id="cmpl-x",
+                model=MODEL,
+                clock=lambda: now[0],
+                **kw,
+            )
+        ]
+
+    chunks = asyncio.run(collect())
+    lines = b"".join(chunks).decode().split("\n\n")
+    return [s[6:] if s == "data: [DONE]" else json.loads(s[6:]) for s in lines if s], chunks
+
+
+def test_sse_stream_sends_first_token_at_once_and_coalesces_after() -> None:
+    steps = [(ord(c), 0.01 * i) for i, c in enumerate("abcdefgh")]
+    events, chunks = _run_stream(
+        steps, max_tokens=8, prompt_tokens=3, include_usage=True, interval_s=0.025
+    )
+    texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"]]
+    assert "".join(texts) == "abcdefgh"
+    assert texts[0] == "a"  # first token not delayed
+    assert texts[1:] == ["bcd", "efg", "h"]  # then at most one event per 25 ms
+    assert events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
+    final = [e for e in events if isinstance(e, dict) and e["choices"]][-1]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) == 4  # the end (last text, usage, [DONE]) is one write
+
+
+def test_sse_stream_with_no_interval_sends_every_token() -> None:
+    steps = [(ord(c), 0.0) for c in "xyz"]
+    events, _ = _run_stream(steps, max_tokens=5, prompt_tokens=1, interval_s=0.0)
+    texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict)]
+    assert texts == ["x", "y", "z", ""]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
