@@ -506,9 +506,11 @@ def _finish(outcome: Any, out_dir: Path, quiet: bool) -> None:
         typer.echo(f"slotune: stopped by a fault: {outcome.aborted}", err=True)
         raise typer.Exit(1)
     if op is None:
+        hint = outcome.report.sample_hint()
         raise NoFeasiblePoint(
-            f"{len(outcome.report.trials)} trials, none met both SLOs with confidence; "
-            f"see {out_dir / 'report.html'}"
+            f"{len(outcome.report.trials)} trials, none met both SLOs with confidence"
+            + (f"; {hint}" if hint else "")
+            + f" See {out_dir / 'report.html'}"
         )
 
 

@@ -248,6 +248,29 @@ class CurveReport:
             "mean_goodput_rps": sum(t.goodput_rps for t in same) / len(same),
         }
 
+    def sample_hint(self) -> str:
+        """When most trials could not reach a verdict for lack of requests, what to do."""
+        ins = [
+            t
+            for t in self.trials
+            if "insufficient" in (t.ttft_verdict, t.tpot_verdict)
+            and "violated"
+            not in (
+                t.ttft_verdict,
+                t.tpot_verdict,
+            )
+        ]
+        if not self.trials or len(ins) * 2 < len(self.trials):
+            return ""
+        most = max(t.completed for t in ins)
+        need = math.ceil(math.log(1 - 0.95) / math.log(self.slo.quantile))
+        return (
+            f"{len(ins)} of {len(self.trials)} windows were too small to judge a "
+            f"p{self.slo.quantile * 100:g} (at most {most} requests; a verdict at 95% "
+            f"confidence needs at least {need} with none over the SLO): lengthen the window "
+            "(--max-window), shorten the requests (--output-tokens) or add capacity."
+        )
+
     def cross_check(self) -> dict[str, Any]:
         """How far the client's p99s are from the server's: the median over trials of
         client / server - 1 (positive: the client saw slower), and the trial count."""

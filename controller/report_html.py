@@ -218,6 +218,8 @@ def explain(report: CurveReport) -> list[str]:
             f"({len(report.trials)} trials). Do not ship: relax the SLO, add capacity, or "
             "look at the table below for the closest miss."
         )
+        if report.sample_hint():
+            lines.append(report.sample_hint())
         return lines
     cost = usd_per_million_tokens(report.usd_per_hour, c.tokens_per_s)
     rec = (

@@ -142,11 +142,11 @@ class RichProgress(Progress):
             line += f"  best: B={best.max_batch_size},C={best.max_concurrency}"
         if rec.note:
             line += f"\n      [dim]{rec.note}[/]"
-        self.console.print(line)
+        self.console.print(line, soft_wrap=True)
 
     def message(self, text: str) -> None:
         self._stop_status()
-        self.console.print(text)
+        self.console.print(text, soft_wrap=True)
 
     def close(self) -> None:
         self._stop_status()

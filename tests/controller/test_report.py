@@ -273,3 +273,18 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     keep = os.environ.get("SLOTUNE_KEEP_SCREENSHOT")
     if keep:
         shutil.copy(shot, keep)
+
+
+def test_windows_too_small_for_a_verdict_say_what_to_do(tmp_path: Path) -> None:
+    small = [
+        TrialRecord.from_dict(
+            {**trial(i, 4, 4, 50.0, 1.0, 30.0, False).to_dict(), "completed": 40,
+             "ttft_verdict": "insufficient", "tpot_verdict": "insufficient"}
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    r = sample_report(small)
+    hint = r.sample_hint()
+    assert "3 of 3 windows" in hint and "at most 40 requests" in hint and "299" in hint
+    assert hint in write_report(r, tmp_path)["report.html"].read_text()
+    assert sample_report().sample_hint() == ""  # verdicts were reached there
