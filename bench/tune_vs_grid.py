@@ -46,17 +46,20 @@ def main() -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--max-trials", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=240.0)
+    ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="short windows, a coarse grid")
     ap.add_argument("--out", default="slotune-out/bench-tune-vs-grid")
     args = ap.parse_args()
 
     slo = Slo(ttft_p99_s=args.slo_ttft_ms / 1e3, tpot_p99_s=args.slo_tpot_ms / 1e3)
     plan = (
-        WindowPlan(warmup_s=1.0, window_s=3.0, max_window_s=8.0)
+        WindowPlan(warmup_s=1.0, window_s=2.0, max_window_s=15.0)
         if args.quick
         else WindowPlan(warmup_s=2.0, window_s=5.0, max_window_s=15.0)
     )
-    shape = RequestShape(prompt_tokens=LengthDist(mean=32), output_tokens=LengthDist(mean=16))
+    shape = RequestShape(
+        prompt_tokens=LengthDist(mean=32), output_tokens=LengthDist(mean=args.output_tokens)
+    )
     slots = cli_tune.DEFAULT_SLOTS[args.model]
     t_setup = time.monotonic()
     metrics_port, _ = cli_tune.start_local_ray()
@@ -68,7 +71,12 @@ def main() -> None:
             device = "cuda"
         hw, hw_note = cli_tune.hardware_spec(device, quiet=False)
         searched = cli_tune.plan_search(
-            model=args.model, hardware=hw, slo=slo, price=None, max_slots=slots, context=40
+            model=args.model,
+            hardware=hw,
+            slo=slo,
+            price=None,
+            max_slots=slots,
+            context=32 + args.output_tokens // 2,
         )
         from serving.deploy import deploy_app
 
@@ -173,6 +181,7 @@ def main() -> None:
     print(json.dumps({
         "model": args.model,
         "quick": args.quick,
+        "output_tokens": args.output_tokens,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "setup_s": round(setup_s, 1),

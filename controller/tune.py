@@ -402,12 +402,17 @@ def _f(x: Any) -> float:
 def _slo_from_trials(study: Any) -> Any | None:
     """The SLO a bare tuner study was run under, from its constraints (p99 − SLO)."""
     from metrics.observation import Slo
+    from search.tuner import CONSTRAINT_NAMES
 
+    # Only a MET verdict's constraint is exactly p99 - SLO (others are floored at > 0).
     for t in study.get_trials(deepcopy=False):
-        a, c = t.user_attrs, t.constraints
-        if a.get("ttft_p99_s") is not None and a.get("tpot_p99_s") is not None and c:
-            try:
-                return Slo(ttft_p99_s=a["ttft_p99_s"] - c[0], tpot_p99_s=a["tpot_p99_s"] - c[1])
-            except (ValueError, IndexError):
-                continue
+        a, c = t.user_attrs, dict(t.constraints or {})
+        if a.get("ttft_verdict") != "met" or a.get("tpot_verdict") != "met":
+            continue
+        try:
+            ttft = a["ttft_p99_s"] - c[CONSTRAINT_NAMES[0]]
+            tpot = a["tpot_p99_s"] - c[CONSTRAINT_NAMES[1]]
+            return Slo(ttft_p99_s=ttft, tpot_p99_s=tpot)
+        except (ValueError, KeyError, TypeError):
+            continue
     return None

@@ -449,3 +449,31 @@ def test_scrape_window_turns_an_unreachable_endpoint_into_a_transient_error() ->
     src = ScrapeSource(f"http://127.0.0.1:{free_port()}/metrics", slo=SLO, prefix="ray_")
     with pytest.raises(TargetUnavailable, match="metrics unavailable"):
         ScrapeWindow(src).begin()
+
+
+def test_promql_window_queries_the_measured_window_after_the_lag() -> None:
+    from controller.targets import PromQLWindow
+
+    calls = []
+
+    class Src:
+        def observe_range(self, *, window_s, end_s):
+            calls.append((window_s, end_s))
+            return Observation(start_s=end_s - window_s, end_s=end_s, completed=1, slo_met=1)
+
+    w = PromQLWindow(Src(), lag_s=0.0)
+    obs = w.end(w.begin(), start_s=100.0, end_s=112.5)
+    assert calls == [(12.5, 112.5)] and obs.window_s == 12.5
+
+
+def test_export_of_a_bare_tuner_study(tmp_path: Path) -> None:
+    """A study written by the tuner alone (e.g. `slotune simulate`) still exports."""
+    tuner = make_tuner(tmp_path, name="bare")
+    target = FakeTarget()
+    for _ in range(3):
+        k = tuner.propose()
+        tuner.report(k, target.measure(k).observation)
+    rep = report_from_study(str(tmp_path / "study.journal"), "bare")
+    assert [t.max_batch_size for t in rep.trials] == [k.max_batch_size for k in target.measured]
+    assert rep.slo.tpot_p99_s == pytest.approx(SLO.tpot_p99_s)
+    assert all(t.completed > 0 for t in rep.trials)
