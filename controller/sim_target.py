@@ -1,0 +1,335 @@
+"""The simulator as a tuning target: the roofline's step time handed to serving/sim.py.
+
+serving/ must not import search/, so the glue lives here. A :class:`Scenario`
+names a model, a device (catalogue name or a ``slotune calibrate`` JSON), a
+tensor-parallel degree, an SLO and a saturating load. The simulator's *true*
+step time is the peak roofline of the planned step slowed the way real
+hardware is (:class:`Efficiency`): a batch-dependent fraction of peak
+(eager torch on this CPU reached 0.97 down to 0.3, FIELD-NOTES), a fixed
+per-step overhead and prefill interference. The tuner is seeded with the
+*peak* roofline, so the seed is wrong by a realistic margin (the step time at
+the seed's batch is 1.5-3x the prediction in the built-in scenarios).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from metrics.observation import Observation, Slo
+from search.hardware import HardwareSpec, resolve_hardware
+from search.models import resolve_model
+from search.roofline import Roofline, analyze
+from search.space import Knobs, SearchSpace
+from serving.scheduler import StepPlan
+from serving.sim import SimConfig, SimResult, simulate
+from serving.workload import LengthDist, Workload, mean_tokens
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+# This machine's CPU as an accelerator (shared/FIELD-NOTES.md): DRAM read ~24.5 GB/s,
+# matmul peak fp32 ~445 GFLOP/s, bf16 ~2,800 GFLOP/s (AMX); 24 GiB.
+LOCAL_CPU = HardwareSpec(
+    name="local-cpu-field-notes",
+    peak_flops={"bf16": 2.8e12, "fp32": 445e9},
+    mem_bandwidth=24.5 * GB,
+    mem_capacity=24 * 2**30,
+    source="shared/FIELD-NOTES.md figures for this 2-core Xeon",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """How far a real step falls short of the peak roofline.
+
+    ``true = overhead_s + roofline(decode, kv, prefill * prefill_interference) / f(B)``
+    with ``f`` interpolated in log B from ``at_batch_1`` to ``at_ref_batch`` (held beyond).
+    """
+
+    at_batch_1: float = 0.6
+    at_ref_batch: float = 0.4
+    ref_batch: int = 256
+    overhead_s: float = 0.0
+    prefill_interference: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("at_batch_1", "at_ref_batch"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"{name}={v!r}: a fraction of peak must be in (0, 1]")
+        if not (isinstance(self.ref_batch, int) and self.ref_batch >= 2):
+            raise ValueError(f"ref_batch={self.ref_batch!r}: must be an integer >= 2")
+        if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
+            raise ValueError(f"overhead_s={self.overhead_s!r}: must be >= 0 seconds")
+        if not (math.isfinite(self.prefill_interference) and self.prefill_interference >= 1):
+            raise ValueError(f"prefill_interference={self.prefill_interference!r}: must be >= 1")
+
+    def factor(self, batch: int) -> float:
+        if batch <= 1:
+            return self.at_batch_1
+        t = min(1.0, math.log(batch) / math.log(self.ref_batch))
+        return math.exp((1 - t) * math.log(self.at_batch_1) + t * math.log(self.at_ref_batch))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    model: str
+    hardware: str  # catalogue name, JSON path, or "local-cpu" (calibrated JSON or FIELD-NOTES)
+    tp: int = 1
+    dtype: str = "bf16"
+    slo: Slo
+    workload: Workload  # its rate is replaced by load_factor x predicted capacity
+    load_factor: float = 1.0
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    max_len: int = 1024  # KV slot length (capacity is counted at it)
+    prefill_chunk: int = 256
+    warmup_s: float = 3.0
+    window_s: float = 30.0
+    step_noise_cv: float = 0.05
+    window_noise_cv: float = 0.03
+    headroom_max: float = 4.0
+    # A calibrated device's roofline already predicts real steps: the truth departs less.
+    calibrated_efficiency: Efficiency | None = None
+    calibrated_window_s: float | None = None
+    # The TPOT SLO is at least this multiple of the predicted single-stream step (0: off),
+    # so a scenario on a device of unknown speed keeps a meaningful operating point.
+    min_tpot_slo_x_single: float = 0.0
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.load_factor) and self.load_factor > 0):
+            raise ValueError(f"load_factor={self.load_factor!r}: must be > 0")
+        if self.workload.prompt.hi + self.workload.output.hi > self.max_len:
+            raise ValueError(
+                f"max_len={self.max_len}: prompt.hi + output.hi ="
+                f" {self.workload.prompt.hi + self.workload.output.hi} must fit in a slot"
+            )
+
+
+# Short chat turns: prompts ~128 tokens, answers ~48 (keeps a window cheap to simulate).
+_CHAT = dict(
+    prompt=LengthDist(kind="lognormal", mean=128, cv=0.6, lo=16, hi=512),
+    output=LengthDist(kind="lognormal", mean=48, cv=0.5, lo=4, hi=256),
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="cpu-small",
+            model="slotune-small",
+            hardware="local-cpu",
+            slo=Slo(ttft_p99_s=2.0, tpot_p99_s=0.05),
+            workload=Workload(rate_rps=1.0, **_CHAT),
+            window_s=60.0,
+            efficiency=Efficiency(
+                at_batch_1=0.55, at_ref_batch=0.3, overhead_s=1e-3, prefill_interference=1.5
+            ),
+            calibrated_efficiency=Efficiency(
+                at_batch_1=0.8, at_ref_batch=0.6, overhead_s=1e-3, prefill_interference=1.0
+            ),
+            calibrated_window_s=200.0,
+            prefill_chunk=64,
+            min_tpot_slo_x_single=5.0,
+            description="built-in ~100M model on this CPU (bf16)",
+        ),
+        Scenario(
+            name="h100-8b",
+            model="llama-3.1-8b",
+            hardware="h100-sxm",
+            slo=Slo(ttft_p99_s=1.0, tpot_p99_s=0.02),
+            workload=Workload(rate_rps=1.0, **_CHAT),
+            window_s=8.0,
+            efficiency=Efficiency(
+                at_batch_1=0.8, at_ref_batch=0.5, overhead_s=2e-3, prefill_interference=2.0
+            ),
+            description="Llama 3.1 8B on one H100 SXM",
+        ),
+        Scenario(
+            name="h100x4-70b",
+            model="llama-3.1-70b",
+            hardware="h100-sxm",
+            tp=4,
+            slo=Slo(ttft_p99_s=1.5, tpot_p99_s=0.04),
+            workload=Workload(rate_rps=1.0, **_CHAT),
+            window_s=30.0,
+            efficiency=Efficiency(
+                at_batch_1=0.75, at_ref_batch=0.5, overhead_s=3e-3, prefill_interference=2.0
+            ),
+            description="Llama 3.1 70B on 4 x H100 SXM (TP=4)",
+        ),
+        Scenario(
+            name="l4-8b",
+            model="llama-3.1-8b",
+            hardware="l4",
+            dtype="fp8",
+            slo=Slo(ttft_p99_s=2.0, tpot_p99_s=0.06),
+            workload=Workload(rate_rps=1.0, **_CHAT),
+            window_s=25.0,
+            efficiency=Efficiency(
+                at_batch_1=0.7, at_ref_batch=0.5, overhead_s=4e-3, prefill_interference=1.5
+            ),
+            description="Llama 3.1 8B (fp8 weights and KV) on one L4",
+        ),
+    )
+}
+
+
+def local_cpu_hardware() -> tuple[HardwareSpec, str]:
+    """``slotune calibrate``'s cached JSON for this CPU when present, else FIELD-NOTES."""
+    env = os.environ.get("SLOTUNE_HARDWARE_JSON")
+    candidates: list[Path] = [Path(env)] if env else []
+    try:
+        import torch
+
+        from search.calibrate import default_cache_path
+
+        candidates.append(default_cache_path(torch.device("cpu")))
+    except Exception as e:  # pragma: no cover - calibrate imports torch, always present
+        logger.debug("no calibration cache path: %s", e)
+    for p in candidates:
+        if p.is_file():
+            return HardwareSpec.from_json(p), f"calibrated ({p})"
+    return LOCAL_CPU, "FIELD-NOTES figures (no calibration cache)"
+
+
+def resolve_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise ValueError(f"scenario {name!r}: choose one of {sorted(SCENARIOS)}")
+    return SCENARIOS[name]
+
+
+class SimTarget:
+    """Measure knobs on the simulated fleet of a :class:`Scenario`."""
+
+    def __init__(self, scenario: Scenario, *, seed: int = 0) -> None:
+        self.scenario = sc = scenario
+        if sc.hardware == "local-cpu":
+            self.hardware, self.hardware_source = local_cpu_hardware()
+        else:
+            self.hardware = resolve_hardware(sc.hardware)
+            self.hardware_source = self.hardware.source or sc.hardware
+        model = resolve_model(sc.model)
+        # Capacity: slots of max_len tokens. Prediction: at the mean decode context.
+        self.capacity_roofline = Roofline(
+            model=model, hardware=self.hardware, tp=sc.tp, dtype=sc.dtype, context=sc.max_len
+        )
+        self.capacity = self.capacity_roofline.max_batch_memory
+        ctx = round(mean_tokens(sc.workload.prompt) + mean_tokens(sc.workload.output) / 2)
+        self.context = max(1, ctx)
+        self.roofline = Roofline(
+            model=model, hardware=self.hardware, tp=sc.tp, dtype=sc.dtype, context=self.context
+        )
+        self.efficiency = (
+            sc.calibrated_efficiency
+            if self.hardware.calibrated and sc.calibrated_efficiency is not None
+            else sc.efficiency
+        )
+        single = self.roofline.step_time_s(1)
+        tpot_slo = max(sc.slo.tpot_p99_s, round(sc.min_tpot_slo_x_single * single, 3))
+        self.slo = replace(sc.slo, tpot_p99_s=tpot_slo)
+        self.analysis = analyze(
+            self.roofline, slo_tpot_s=self.slo.tpot_p99_s, max_batch=max(1, self.capacity)
+        )
+        op = self.analysis.operating_point
+        self.seed_batch = op.batch if op is not None else 1
+        # The peak roofline at the shortest prompt is a lower bound on any real TPOT.
+        lo_ctx = sc.workload.prompt.lo
+        self.space = SearchSpace.bounded(
+            step_time_s=lambda b: self.roofline.step_time_s(b, context=lo_ctx),
+            max_batch_memory=self.capacity,
+            slo=self.slo,
+            headroom_max=sc.headroom_max,
+        )
+        out_mean = mean_tokens(sc.workload.output)
+        predicted_rps = self.seed_batch / (self.model_tpot_s(self.seed_batch) * out_mean)
+        self.rate_rps = sc.load_factor * predicted_rps
+        self.workload = replace(sc.workload, rate_rps=self.rate_rps)
+        self.sim_config = SimConfig(
+            max_slots=max(1, self.capacity),
+            max_len=sc.max_len,
+            prefill_chunk=sc.prefill_chunk,
+            warmup_s=sc.warmup_s,
+            window_s=(
+                sc.calibrated_window_s
+                if self.hardware.calibrated and sc.calibrated_window_s is not None
+                else sc.window_s
+            ),
+            step_noise_cv=sc.step_noise_cv,
+            window_noise_cv=sc.window_noise_cv,
+        )
+        self._seed = seed
+        self._count = 0
+
+    # -- the two step times ------------------------------------------------------------
+
+    def model_tpot_s(self, batch: int) -> float:
+        """What the tuner is told: the peak roofline's decode step at the mean context."""
+        return self.roofline.step_time_s(batch)
+
+    def step_time(self, plan: StepPlan) -> float:
+        """What the simulated hardware takes (see :class:`Efficiency`)."""
+        eff = self.efficiency
+        b = plan.decode_batch
+        roof = self.roofline.step_time_detailed_s(
+            decode_batch=b,
+            kv_tokens=plan.kv_tokens,
+            prefill_tokens=round(plan.prefill_tokens * eff.prefill_interference),
+            prefill_sequences=len(plan.prefill) or None,
+        )
+        return eff.overhead_s + roof / eff.factor(max(1, b))
+
+    # -- measuring ---------------------------------------------------------------------
+
+    def seed_knobs(self) -> list[Knobs]:
+        """The roofline's operating point, then a bracket below and above it."""
+        b = self.seed_batch
+        out = [Knobs(max_batch_size=b, max_concurrency=b)]
+        for f in (0.5, 1.5):
+            bb = max(1, round(b * f))
+            out.append(Knobs(max_batch_size=bb, max_concurrency=bb))
+        return [self.space.clip(k) for k in out]
+
+    def run(
+        self, knobs: Knobs, *, seed: int, denoised: bool = False, window_scale: float = 1.0
+    ) -> SimResult:
+        cfg = self.sim_config.denoised() if denoised else self.sim_config
+        if window_scale != 1.0:
+            cfg = replace(cfg, window_s=cfg.window_s * window_scale)
+        return simulate(
+            max_batch_size=min(knobs.max_batch_size, cfg.max_slots),
+            max_concurrency=max(knobs.max_concurrency, min(knobs.max_batch_size, cfg.max_slots)),
+            workload=self.workload,
+            step_time=self.step_time,
+            config=cfg,
+            slo=self.slo,
+            seed=seed,
+        )
+
+    def measure(self, knobs: Knobs) -> Observation:
+        """One noisy window (a fresh seed each call, deterministic in sequence)."""
+        self._count += 1
+        return self.run(knobs, seed=self._seed * 1_000_003 + self._count).observation
+
+    def describe(self) -> dict[str, object]:
+        sc = self.scenario
+        return {
+            "scenario": sc.name,
+            "description": sc.description,
+            "model": sc.model,
+            "hardware": self.hardware.name,
+            "hardware_source": self.hardware_source,
+            "tp": sc.tp,
+            "slo_ttft_p99_s": self.slo.ttft_p99_s,
+            "slo_tpot_p99_s": self.slo.tpot_p99_s,
+            "rate_rps": round(self.rate_rps, 3),
+            "kv_capacity": self.capacity,
+            "search_batch_max": self.space.batch_max,
+            "seed_batch": self.seed_batch,
+            "context": self.context,
+        }

@@ -1,0 +1,178 @@
+"""Roofline-guided proposals: the seed, then brackets corrected by what was measured.
+
+The peak roofline predicts TPOT(B) up to an unknown, batch-dependent factor (real
+kernels run at 0.3-0.97 of peak, plus per-step overhead and prefill
+interference). Each measurement gives that factor at one batch,
+``k(B) = measured p99 TPOT / predicted step time``. Between measured batches
+``log k`` is interpolated linearly in ``log B`` (held constant outside), and the
+next batch is the largest one whose corrected prediction ``k(B)·model(B)`` is at
+most ``aim · TPOT SLO`` and whose TTFT, extrapolated log-log from the measured
+points, is at most ``ttft_aim · TTFT SLO``, below any batch measured over either
+SLO. The admission headroom is kept from the seed, its log halved when TTFT was
+violated. Guidance ends when it would propose a
+point already measured: the model has converged and the sampler takes over.
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from metrics.observation import Slo
+from search.space import Knobs, SearchSpace
+from search.stop_rule import PointSummary
+
+
+@dataclass(frozen=True, kw_only=True)
+class Guide:
+    model_tpot_s: Callable[[int], float]  # predicted (peak roofline) TPOT at batch B
+    space: SearchSpace
+    slo: Slo
+    aim: float = 0.97  # aim the corrected TPOT at this fraction of the SLO
+    ttft_aim: float = 0.85  # and the extrapolated TTFT at this fraction
+    max_steps: int = 6  # guided proposals after the seed at most
+    resolution: float = 0.05  # stop when the feasible/infeasible bracket is this narrow
+
+    def __post_init__(self) -> None:
+        for name in ("aim", "ttft_aim"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"{name}={v!r}: must be in (0, 1]")
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps={self.max_steps!r}: must be >= 0")
+
+    def correction(self, points: Sequence[PointSummary]) -> Callable[[int], float]:
+        """``k(B)``: measured over predicted TPOT, interpolated in log-log."""
+        obs: dict[int, list[float]] = {}
+        for p in points:
+            b = p.knobs.max_batch_size
+            pred = self.model_tpot_s(b)
+            if math.isfinite(p.tpot_p99_s) and p.tpot_p99_s > 0 and pred > 0:
+                obs.setdefault(b, []).append(math.log(p.tpot_p99_s / pred))
+        xs = sorted(obs)
+        ys = [sum(obs[b]) / len(obs[b]) for b in xs]
+        lx = [math.log(b) for b in xs]
+
+        def k(b: int) -> float:
+            if not xs:
+                return 1.0
+            x = math.log(b)
+            i = bisect.bisect_left(lx, x)
+            if i == 0:
+                return math.exp(ys[0])
+            if i >= len(xs):
+                return math.exp(ys[-1])
+            t = (x - lx[i - 1]) / (lx[i] - lx[i - 1])
+            return math.exp(ys[i - 1] + t * (ys[i] - ys[i - 1]))
+
+        return k
+
+    def _tpot_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
+        k = self.correction(points)
+        goal = self.aim * self.slo.tpot_p99_s
+        best = lo
+        for b in _log_candidates(lo, hi):
+            if k(b) * self.model_tpot_s(b) <= goal:
+                best = max(best, b)
+        return best
+
+    def _ttft_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
+        """Largest batch whose TTFT, extrapolated in log-log from the measured points
+        (slope from the two nearest, clamped to [0.5, 3]; 1 with one point), meets
+        ``ttft_aim · SLO``."""
+        pts = sorted(
+            (p.knobs.max_batch_size, p.ttft_p99_s)
+            for p in points
+            if math.isfinite(p.ttft_p99_s) and p.ttft_p99_s > 0
+        )
+        if not pts:
+            return hi
+        goal = self.ttft_aim * self.slo.ttft_p99_s
+
+        def predict(b: int) -> float:
+            near = sorted(pts, key=lambda q: abs(math.log(q[0] / b)))[:2]
+            (b1, t1) = near[0]
+            slope = 1.0
+            if len(near) > 1 and near[1][0] != b1:
+                (b2, t2) = near[1]
+                slope = math.log(t2 / t1) / math.log(b2 / b1)
+                slope = min(3.0, max(0.5, slope))
+            return t1 * (b / b1) ** slope
+
+        best = lo
+        for b in _log_candidates(lo, hi):
+            if predict(b) <= goal:
+                best = max(best, b)
+        return best
+
+    def bracket(self, points: Sequence[PointSummary]) -> tuple[int | None, int | None]:
+        """(largest batch measured feasible, smallest batch measured over an SLO)."""
+        feas = [p.knobs.max_batch_size for p in points if p.feasible]
+        over = [
+            p.knobs.max_batch_size
+            for p in points
+            if (not p.tpot_ok and p.tpot_p99_s > self.slo.tpot_p99_s)
+            or (not p.ttft_ok and p.ttft_p99_s > self.slo.ttft_p99_s)
+        ]
+        return (max(feas) if feas else None), (min(over) if over else None)
+
+    def target_batch(self, points: Sequence[PointSummary]) -> int | None:
+        """The next batch: the models' answer (corrected TPOT under ``aim · SLO``, TTFT
+        extrapolated under ``ttft_aim · SLO``), safeguarded like a bracketing root finder:
+        inside the bracket [largest feasible, smallest over-SLO] it is clamped to the
+        middle half of the bracket in log scale; None once the bracket is narrower than
+        ``resolution`` (goodput grows with batch under a saturating load, so the largest
+        feasible batch is the answer)."""
+        lo0, hi0 = self.space.batch_min, self.space.batch_max
+        feas, over = self.bracket(points)
+        hi = hi0 if over is None else max(lo0, over - 1)
+        model = min(self._tpot_batch(points, lo0, hi), self._ttft_batch(points, lo0, hi))
+        if feas is not None and over is not None:
+            if over <= feas + 1 or over <= feas * (1 + self.resolution):
+                return None
+            a = math.ceil(feas * (over / feas) ** 0.25)
+            z = math.floor(feas * (over / feas) ** 0.75)
+            return min(max(model, a, feas + 1), max(z, feas + 1), over - 1)
+        if feas is not None:  # nothing over the SLO yet: probe above the best feasible
+            if feas >= hi0:
+                return None
+            return min(hi0, max(model, math.ceil(feas * 1.25), feas + 1))
+        if over is not None:  # nothing feasible yet: come down, not all the way at once
+            return max(lo0, min(max(model, round(over * 0.25)), round(over * 0.9), over - 1))
+        return model
+
+    def headroom(self, points: Sequence[PointSummary], seed: Knobs) -> float:
+        """The seed's headroom, its log halved once per TTFT-violating measurement."""
+        h = seed.headroom
+        for p in sorted(points, key=lambda p: p.first_trial):
+            if not p.ttft_ok and p.knobs.headroom <= h * 1.001:
+                h = max(1.0, math.sqrt(h) if h > 1.0 else 1.0)
+        return h
+
+    def propose(self, points: Sequence[PointSummary], seed: Knobs, steps_done: int) -> Knobs | None:
+        """The next guided knob, or None when guidance is done (converged or out of steps)."""
+        if steps_done >= self.max_steps or not points:
+            return None
+        b = self.target_batch(points)
+        if b is None:
+            return None
+        h = self.headroom(points, seed)
+        knobs = self.space.clip(Knobs(max_batch_size=b, max_concurrency=max(b, round(b * h))))
+        if any(p.knobs == knobs for p in points):
+            return None  # the models point at a measured knob: converged
+        return knobs
+
+
+def _log_candidates(lo: int, hi: int) -> list[int]:
+    """Every integer in [lo, hi] when few, else a dense log grid (about 1% apart) plus ends."""
+    if hi - lo <= 512:
+        return list(range(lo, hi + 1))
+    out = {lo, hi}
+    x = float(lo)
+    while x < hi:
+        out.add(int(x))
+        x = max(x * 1.01, x + 1)
+    return sorted(out)

@@ -1,0 +1,104 @@
+"""When the tuner may stop: the incumbent is confirmed and nothing nearby beats it.
+
+Measurements are noisy, so the tuner keeps one :class:`PointSummary` per distinct
+knob (all its measurements pooled) and only ever *declares* a point that has
+been measured at least ``confirmations`` times, feasible every time. The rule,
+in order:
+
+1. ``max_trials`` reached: stop (with or without a feasible point).
+2. No confirmed incumbent: continue.
+3. Bracketed: a point with a larger batch, at most ``bracket_ratio`` times the
+   incumbent's, was measured infeasible on TPOT. Under the monotone physics
+   (TPOT grows with batch) there is no better batch: stop.
+4. Stale: the last ``patience`` trials did not raise the incumbent's goodput by
+   more than ``min_improvement`` (relative): stop.
+
+Pure functions of the per-point summaries and the trial count; tested by tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from search.space import Knobs
+
+
+@dataclass(frozen=True, kw_only=True)
+class PointSummary:
+    """Every measurement of one knob, pooled (what the tuner knows about it)."""
+
+    knobs: Knobs
+    measurements: int
+    goodput_rps: float  # mean over measurements
+    feasible: bool  # every measurement feasible
+    ttft_p99_s: float  # worst over measurements (nan when unknown)
+    tpot_p99_s: float
+    ttft_ok: bool  # every TTFT verdict MET
+    tpot_ok: bool
+    last_trial: int  # trial number of the latest measurement
+    first_trial: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopRule:
+    confirmations: int = 2
+    patience: int = 4
+    min_improvement: float = 0.02
+    bracket_ratio: float = 1.15
+    max_trials: int = 40
+
+    def __post_init__(self) -> None:
+        if self.confirmations < 1:
+            raise ValueError(f"confirmations={self.confirmations!r}: must be >= 1")
+        if self.patience < 1:
+            raise ValueError(f"patience={self.patience!r}: must be >= 1")
+        if not 0 <= self.min_improvement < 1:
+            raise ValueError(f"min_improvement={self.min_improvement!r}: must be in [0, 1)")
+        if not (math.isfinite(self.bracket_ratio) and self.bracket_ratio > 1):
+            raise ValueError(f"bracket_ratio={self.bracket_ratio!r}: must be a number > 1")
+        if self.max_trials < 1:
+            raise ValueError(f"max_trials={self.max_trials!r}: must be >= 1")
+
+    @classmethod
+    def preset(cls, name: str) -> StopRule:
+        presets = {
+            "default": cls(),
+            "thorough": cls(confirmations=3, patience=8, min_improvement=0.01, max_trials=80),
+            "quick": cls(confirmations=2, patience=3, min_improvement=0.03, max_trials=20),
+        }
+        if name not in presets:
+            raise ValueError(f"stop rule preset {name!r}: choose one of {sorted(presets)}")
+        return presets[name]
+
+
+def incumbent(points: Sequence[PointSummary], *, confirmations: int = 1) -> PointSummary | None:
+    """The feasible point with the highest pooled goodput among those measured at least
+    ``confirmations`` times (ties: the earliest measured)."""
+    cands = [p for p in points if p.feasible and p.measurements >= confirmations]
+    if not cands:
+        return None
+    return max(cands, key=lambda p: (p.goodput_rps, -p.first_trial))
+
+
+def stop_reason(points: Sequence[PointSummary], n_trials: int, rule: StopRule) -> str | None:
+    """Why the search may stop now, or None to continue (see the module doc)."""
+    if n_trials >= rule.max_trials:
+        return f"max_trials={rule.max_trials} reached"
+    best = incumbent(points, confirmations=rule.confirmations)
+    if best is None:
+        return None
+    b = best.knobs.max_batch_size
+    for p in points:
+        pb = p.knobs.max_batch_size
+        if b < pb <= b * rule.bracket_ratio and not p.tpot_ok:
+            return f"bracketed: {p.knobs} violates TPOT just above the incumbent {best.knobs}"
+    # The trial that last raised the bar by more than min_improvement.
+    bar, last_gain = -math.inf, -1
+    for p in sorted(points, key=lambda p: p.first_trial):
+        if p.feasible and p.goodput_rps > bar * (1 + rule.min_improvement):
+            bar, last_gain = p.goodput_rps, p.first_trial
+    if n_trials - 1 - last_gain >= rule.patience:
+        return f"stable: no gain over {rule.min_improvement:.0%} in the last {rule.patience} trials"
+    return None

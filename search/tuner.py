@@ -1,0 +1,372 @@
+"""The roofline-seeded, SLO-constrained Optuna tuner (ask/tell; the controller owns the loop).
+
+Per trial the controller calls :meth:`Tuner.propose` (a :class:`Knobs` to apply),
+measures one window, and calls :meth:`Tuner.report` with the Observation. The
+proposals come, in order of priority, from:
+
+1. ``seed``: the first seed knob (the roofline's predicted operating point);
+2. ``guided``: with a ``model_tpot_s`` (the peak roofline's step time), the
+   roofline corrected by every measurement so far (:mod:`search.guide`): the
+   next points bracket the seed and converge on the TPOT boundary; without a
+   model, the remaining seed knobs in order;
+3. ``remeasure``: the incumbent (best feasible by pooled measurements) is
+   measured again until it has ``stop_rule.confirmations`` feasible windows;
+4. ``sampler``: Optuna's sampler (GPSampler by default; TPE and random for
+   comparison) over the log-scaled box, with both latency constraints given
+   through ``Trial.set_constraint``.
+
+Every proposal is an Optuna trial (seeded ones through ``Study.enqueue_trial``),
+so the sampler learns from all of them and optuna-dashboard shows the study.
+The study lives in any Optuna storage: a plain path means a JournalStorage file,
+a URL (``sqlite:///x.db``) goes to Optuna as is, None keeps it in memory. On
+opening an existing study, trials left RUNNING by a killed controller are
+marked FAIL and the search resumes where it stopped: all tuner state is derived
+from the stored trials. :meth:`should_stop` applies :mod:`search.stop_rule`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from metrics.observation import Observation, Slo, Verdict
+from search.guide import Guide
+from search.objective import evaluate
+from search.space import Knobs, SearchSpace
+from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
+
+logger = logging.getLogger(__name__)
+
+SAMPLERS = ("gp", "tpe", "random")
+PHASES = ("seed", "guided", "remeasure", "sampler", "external")
+CONSTRAINT_NAMES = ("ttft_p99_minus_slo_s", "tpot_p99_minus_slo_s")
+_GUIDE_DONE = "slotune_guide_done"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """One trial as the report shows it."""
+
+    number: int
+    knobs: Knobs
+    phase: str
+    state: str  # "complete" | "fail" | "running"
+    goodput_rps: float = math.nan
+    constraints: tuple[float, float] | None = None
+    feasible: bool = False
+    reason: str = ""
+    observation: dict[str, Any] = field(default_factory=dict)
+
+
+def open_storage(storage: str | None) -> Any:
+    """None: in memory; ``scheme://...``: an Optuna storage URL; else a JournalStorage file."""
+    if storage is None:
+        return None
+    if "://" in storage:
+        return storage
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    return JournalStorage(JournalFileBackend(storage))
+
+
+def make_sampler(
+    name: str, *, seed: int | None, n_startup_trials: int
+) -> optuna.samplers.BaseSampler:
+    if name == "gp":
+        return optuna.samplers.GPSampler(
+            seed=seed, n_startup_trials=n_startup_trials, warn_independent_sampling=False
+        )
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"sampler={name!r}: choose one of {SAMPLERS}")
+
+
+def _num(x: float) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _observation_attrs(obs: Observation) -> dict[str, Any]:
+    def verdict(v: Any) -> str:
+        return v.verdict.value if v is not None else "none"
+
+    return {
+        "goodput_rps": _num(obs.goodput_rps),
+        "throughput_rps": _num(obs.throughput_rps),
+        "tokens_per_s": _num(obs.tokens_per_s),
+        "ttft_p99_s": _num(obs.ttft.p99),
+        "tpot_p99_s": _num(obs.tpot.p99),
+        "ttft_p50_s": _num(obs.ttft.p50),
+        "tpot_p50_s": _num(obs.tpot.p50),
+        "ttft_verdict": verdict(obs.ttft_verdict),
+        "tpot_verdict": verdict(obs.tpot_verdict),
+        "completed": obs.completed,
+        "slo_met": obs.slo_met,
+        "rejected": obs.rejected,
+        "window_s": _num(obs.window_s),
+    }
+
+
+class Tuner:
+    """Ask/tell search of :class:`Knobs` under an :class:`Slo` (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        space: SearchSpace,
+        slo: Slo,
+        storage: str | None = None,
+        study_name: str = "slotune",
+        seed_knobs: Sequence[Knobs] = (),
+        model_tpot_s: Callable[[int], float] | None = None,
+        sampler: str = "gp",
+        seed: int | None = None,
+        stop_rule: StopRule | None = None,
+        n_startup_trials: int = 4,
+        guide_aim: float = 0.97,
+        declare_gain: float = 0.05,
+    ) -> None:
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler={sampler!r}: choose one of {SAMPLERS}")
+        self.space = space
+        self.slo = slo
+        self.stop_rule = stop_rule or StopRule()
+        self.declare_gain = declare_gain
+        self.seed_knobs = [space.clip(k) for k in seed_knobs]
+        self._guide = (
+            Guide(model_tpot_s=model_tpot_s, space=space, slo=slo, aim=guide_aim)
+            if model_tpot_s is not None and self.seed_knobs
+            else None
+        )
+        self._dists = space.distributions()
+        self.study = optuna.create_study(
+            study_name=study_name,
+            storage=open_storage(storage),
+            direction="maximize",
+            sampler=make_sampler(sampler, seed=seed, n_startup_trials=n_startup_trials),
+            load_if_exists=True,
+        )
+        self._pending: optuna.trial.Trial | None = None
+        self._fail_interrupted()
+
+    # -- persistence -------------------------------------------------------------------
+
+    def _fail_interrupted(self) -> None:
+        """Trials left RUNNING (or enqueued, never run) by a killed controller: FAIL."""
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            trial = self.study.ask(self._dists)  # pops the waiting one
+            self.study.tell(trial, state=TrialState.FAIL)
+            logger.warning("trial %d was enqueued but never run: marked FAIL", t.number)
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            self.study.tell(t.number, state=TrialState.FAIL)
+            logger.warning("trial %d was interrupted (RUNNING on resume): marked FAIL", t.number)
+
+    # -- state derived from the stored trials ------------------------------------------
+
+    def _knobs_of(self, t: optuna.trial.FrozenTrial) -> Knobs:
+        ua = t.user_attrs
+        if "max_batch_size" in ua and "max_concurrency" in ua:
+            return Knobs(
+                max_batch_size=int(ua["max_batch_size"]),
+                max_concurrency=int(ua["max_concurrency"]),
+            )
+        return self.space.knobs_from_params(t.params)
+
+    def points(self) -> list[PointSummary]:
+        """One pooled summary per distinct knob measured (completed trials only)."""
+        groups: dict[Knobs, list[optuna.trial.FrozenTrial]] = {}
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            groups.setdefault(self._knobs_of(t), []).append(t)
+        out = []
+        for k, ts in groups.items():
+            ua = [t.user_attrs for t in ts]
+
+            def worst(key: str, ua: list[dict[str, Any]] = ua) -> float:
+                vals = [a.get(key) for a in ua]
+                if any(v is None for v in vals):
+                    return math.nan
+                return max(vals)
+
+            out.append(
+                PointSummary(
+                    knobs=k,
+                    measurements=len(ts),
+                    goodput_rps=sum(t.value or 0.0 for t in ts) / len(ts),
+                    feasible=all(a.get("feasible", False) for a in ua),
+                    ttft_p99_s=worst("ttft_p99_s"),
+                    tpot_p99_s=worst("tpot_p99_s"),
+                    ttft_ok=all(a.get("ttft_verdict") == Verdict.MET.value for a in ua),
+                    tpot_ok=all(a.get("tpot_verdict") == Verdict.MET.value for a in ua),
+                    first_trial=min(t.number for t in ts),
+                    last_trial=max(t.number for t in ts),
+                )
+            )
+        return out
+
+    def _finished(self) -> list[optuna.trial.FrozenTrial]:
+        return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+
+    def _phase_count(self, phase: str) -> int:
+        return sum(1 for t in self._finished() if t.user_attrs.get("phase") == phase)
+
+    # -- ask ---------------------------------------------------------------------------
+
+    def _next_fixed(self, points: list[PointSummary]) -> tuple[Knobs, str] | None:
+        if self.seed_knobs and self._phase_count("seed") == 0:
+            return self.seed_knobs[0], "seed"
+        # Re-measure before declaring: a best resting on fewer windows than a declaration
+        # needs is measured again at once when it would raise the declared goodput by more
+        # than `declare_gain` (or nothing is declared yet), else when guidance is over.
+        rule = self.stop_rule
+        best = incumbent(points)
+        declared = incumbent(points, confirmations=rule.confirmations)
+        unconfirmed = best is not None and best.measurements < rule.confirmations
+        if unconfirmed and (
+            declared is None or best.goodput_rps > declared.goodput_rps * (1 + self.declare_gain)
+        ):
+            return best.knobs, "remeasure"
+        if self._guide is not None:
+            if not self.study.user_attrs.get(_GUIDE_DONE):
+                k = self._guide.propose(points, self.seed_knobs[0], self._phase_count("guided"))
+                if k is not None:
+                    return k, "guided"
+                self.study.set_user_attr(_GUIDE_DONE, True)
+        else:
+            done = self._phase_count("seed")
+            if done < len(self.seed_knobs):
+                return self.seed_knobs[done], "seed"
+        if unconfirmed:
+            return best.knobs, "remeasure"
+        return None
+
+    def propose(self) -> Knobs:
+        """The knobs to measure next (the same ones again until they are reported)."""
+        if self._pending is not None:
+            return self._knobs_of_trial(self._pending)
+        points = self.points()
+        fixed = self._next_fixed(points)
+        if fixed is not None:
+            knobs, phase = fixed
+            self.study.enqueue_trial(
+                self.space.params_from_knobs(knobs), user_attrs={"phase": phase}
+            )
+        else:
+            knobs, phase = None, "sampler"
+        trial = self.study.ask(self._dists)
+        if knobs is None:
+            knobs = self.space.knobs_from_params(trial.params)
+            trial.set_user_attr("phase", phase)
+        trial.set_user_attr("max_batch_size", knobs.max_batch_size)
+        trial.set_user_attr("max_concurrency", knobs.max_concurrency)
+        self._pending = trial
+        logger.info("trial %d (%s): %s", trial.number, phase, knobs)
+        return knobs
+
+    def _knobs_of_trial(self, trial: optuna.trial.Trial) -> Knobs:
+        ua = trial.user_attrs
+        return Knobs(
+            max_batch_size=int(ua["max_batch_size"]), max_concurrency=int(ua["max_concurrency"])
+        )
+
+    # -- tell --------------------------------------------------------------------------
+
+    def report(self, knobs: Knobs, observation: Observation) -> TrialRecord:
+        """Record one measured window of ``knobs`` (proposed or not)."""
+        if self._pending is not None and self._knobs_of_trial(self._pending) == knobs:
+            trial = self._pending
+        else:
+            if self._pending is not None:
+                self.fail_pending("a different knob was reported")
+            self.study.enqueue_trial(
+                self.space.params_from_knobs(knobs), user_attrs={"phase": "external"}
+            )
+            trial = self.study.ask(self._dists)
+            trial.set_user_attr("max_batch_size", knobs.max_batch_size)
+            trial.set_user_attr("max_concurrency", knobs.max_concurrency)
+        ev = evaluate(observation, self.slo)
+        for name, value in zip(CONSTRAINT_NAMES, ev.constraints, strict=True):
+            trial.set_constraint(name, value)
+        attrs = _observation_attrs(observation)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("feasible", ev.feasible)
+        trial.set_user_attr("reason", ev.reason)
+        self.study.tell(trial, ev.value)
+        self._pending = None
+        logger.info(
+            "trial %d: %s goodput %.3f rps, feasible=%s %s",
+            trial.number,
+            knobs,
+            ev.value,
+            ev.feasible,
+            ev.reason,
+        )
+        return TrialRecord(
+            number=trial.number,
+            knobs=knobs,
+            phase=str(trial.user_attrs.get("phase", "")),
+            state="complete",
+            goodput_rps=ev.value,
+            constraints=ev.constraints,
+            feasible=ev.feasible,
+            reason=ev.reason,
+            observation=attrs,
+        )
+
+    def fail_pending(self, reason: str) -> None:
+        """The proposed trial could not be measured (e.g. the deployment failed): FAIL it."""
+        if self._pending is None:
+            return
+        self._pending.set_user_attr("reason", reason)
+        self.study.tell(self._pending, state=TrialState.FAIL)
+        logger.warning("trial %d failed: %s", self._pending.number, reason)
+        self._pending = None
+
+    # -- results -----------------------------------------------------------------------
+
+    def best(self, *, confirmed: bool = True) -> tuple[Knobs, PointSummary] | None:
+        """The incumbent: the feasible knob with the best pooled goodput, measured at least
+        ``stop_rule.confirmations`` times (any number when ``confirmed=False``)."""
+        need = self.stop_rule.confirmations if confirmed else 1
+        p = incumbent(self.points(), confirmations=need)
+        return (p.knobs, p) if p is not None else None
+
+    def stop_reason(self) -> str | None:
+        return stop_reason(self.points(), len(self._finished()), self.stop_rule)
+
+    def should_stop(self) -> bool:
+        return self.stop_reason() is not None
+
+    def trials(self) -> list[TrialRecord]:
+        """Every trial so far, in order (for reports)."""
+        out = []
+        for t in self.study.get_trials(deepcopy=False):
+            if t.state == TrialState.WAITING:
+                continue
+            ua = t.user_attrs
+            cons = t.constraints
+            out.append(
+                TrialRecord(
+                    number=t.number,
+                    knobs=self._knobs_of(t),
+                    phase=str(ua.get("phase", "")),
+                    state=t.state.name.lower(),
+                    goodput_rps=float(t.value) if t.value is not None else math.nan,
+                    constraints=(
+                        tuple(cons[n] for n in CONSTRAINT_NAMES)  # type: ignore[arg-type]
+                        if all(n in cons for n in CONSTRAINT_NAMES)
+                        else None
+                    ),
+                    feasible=bool(ua.get("feasible", False)),
+                    reason=str(ua.get("reason", "")),
+                    observation={k: ua[k] for k in ua if k not in ("phase", "feasible", "reason")},
+                )
+            )
+        return out

@@ -1,0 +1,255 @@
+"""Discrete-event simulator of one serving engine: the real scheduler, a virtual clock.
+
+The executor is swapped, not the scheduler (shared/DESIGN.md): each step is
+planned by :class:`serving.scheduler.Scheduler` exactly as the engine plans it,
+its duration comes from a step-time function handed in (``StepPlan -> seconds``;
+the controller hands in the roofline's, so serving/ never imports search/),
+and the virtual clock advances by it. In front of the engine sits the admission
+limit of the deployment (Ray Serve's ``max_ongoing_requests``): at most
+``max_concurrency`` requests in flight; an arrival beyond it waits in a bounded
+queue (``queue_limit``) or is rejected and counted.
+
+Noise is the simulator's, not the step-time function's: a per-step lognormal
+jitter (``step_noise_cv``) and a per-run slowdown (``window_noise_cv``: a noisy
+neighbour for the whole window). A run measures the requests that finish in
+``[warmup_s, warmup_s + window_s]`` and returns the same :class:`Observation` a
+deployment yields: exact percentiles and three-way SLO verdicts from the
+per-request samples (:mod:`metrics.samples`). Deterministic under a seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrics.observation import Observation, Percentiles, Slo
+from metrics.samples import exact_quantile, verdict_from_samples
+from serving.scheduler import RequestTiming, Scheduler, SchedulerConfig, SeqRequest, StepPlan
+from serving.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+StepTimeFn = Callable[[StepPlan], float]
+
+_NOISE_BLOCK = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One engine replica and how a run is measured."""
+
+    max_slots: int  # KV-cache capacity in sequences
+    max_len: int = 4096  # context length of a slot
+    prefill_chunk: int = 512  # prompt tokens per step (chunked prefill)
+    queue_limit: int = 0  # arrivals beyond max_concurrency that may wait (0: reject)
+    warmup_s: float = 10.0
+    window_s: float = 60.0
+    step_noise_cv: float = 0.05
+    window_noise_cv: float = 0.03
+    confidence: float = 0.95
+    max_steps: int = 2_000_000  # a guard against a step-time function returning ~0
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "max_len", "prefill_chunk", "max_steps"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+        if not (isinstance(self.queue_limit, int) and self.queue_limit >= 0):
+            raise ValueError(f"queue_limit={self.queue_limit!r}: must be an integer >= 0")
+        if not (math.isfinite(self.warmup_s) and self.warmup_s >= 0):
+            raise ValueError(f"warmup_s={self.warmup_s!r}: must be >= 0 seconds")
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise ValueError(f"window_s={self.window_s!r}: must be > 0 seconds")
+        for name in ("step_noise_cv", "window_noise_cv"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0 <= v < 1):
+                raise ValueError(f"{name}={v!r}: must be in [0, 1)")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence={self.confidence!r}: must be in (0, 1)")
+
+    def denoised(self) -> SimConfig:
+        """The same engine without measurement noise (the per-run slowdown), for oracles.
+        Per-step jitter stays: it is part of the latency distribution the SLO is about."""
+        return SimConfig(**{**self.__dict__, "window_noise_cv": 0.0})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    observation: Observation
+    timings: tuple[RequestTiming, ...]  # requests finished inside the window
+    steps: int
+    busy_s: float  # simulated seconds spent in steps
+    sim_s: float  # simulated seconds in all
+    slowdown: float  # the per-run noise factor drawn
+
+
+def _lognormal_sigma(cv: float) -> float:
+    return math.sqrt(math.log1p(cv * cv))
+
+
+def observation_from_timings(
+    timings: list[RequestTiming],
+    *,
+    slo: Slo,
+    start_s: float,
+    end_s: float,
+    rejected: int,
+    confidence: float,
+    source: str = "sim",
+) -> Observation:
+    """The Observation of a window from per-request timings (exact quantiles, verdicts)."""
+    ttft = [t.ttft_s for t in timings]
+    tpot = [x for x in (t.tpot_s for t in timings) if x is not None]
+    met = sum(
+        1
+        for t in timings
+        if t.ttft_s <= slo.ttft_p99_s and (t.tpot_s is None or t.tpot_s <= slo.tpot_p99_s)
+    )
+
+    def pct(x: list[float]) -> Percentiles:
+        if not x:
+            return Percentiles()
+        return Percentiles(
+            p50=exact_quantile(x, 0.5), p90=exact_quantile(x, 0.9), p99=exact_quantile(x, 0.99)
+        )
+
+    q = slo.quantile
+    return Observation(
+        start_s=start_s,
+        end_s=end_s,
+        completed=len(timings),
+        slo_met=met,
+        rejected=rejected,
+        generated_tokens=sum(t.generated_tokens for t in timings),
+        ttft=pct(ttft),
+        tpot=pct(tpot),
+        ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
+        tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
+        source=source,
+    )
+
+
+def simulate(
+    *,
+    max_batch_size: int,
+    max_concurrency: int,
+    workload: Workload,
+    step_time: StepTimeFn,
+    config: SimConfig,
+    slo: Slo,
+    seed: int = 0,
+) -> SimResult:
+    """Run one measurement window of the engine at the given knobs (see module doc)."""
+    if not (isinstance(max_batch_size, int) and max_batch_size >= 1):
+        raise ValueError(f"max_batch_size={max_batch_size!r}: must be an integer >= 1")
+    if not (isinstance(max_concurrency, int) and max_concurrency >= max_batch_size):
+        raise ValueError(
+            f"max_concurrency={max_concurrency!r}: must be an integer >= max_batch_size"
+        )
+    cfg = config
+    rng = np.random.default_rng(seed)
+    end_s = cfg.warmup_s + cfg.window_s
+    arrivals = workload.arrivals(rng, end_s)  # [n]
+    prompts, outputs = workload.lengths(rng, len(arrivals))  # [n], [n]
+    room = cfg.max_len - 1
+    prompts = np.minimum(prompts, room)
+    outputs = np.clip(outputs, 1, cfg.max_len - prompts)
+    slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
+    sigma = _lognormal_sigma(cfg.step_noise_cv)
+
+    sched = Scheduler(
+        SchedulerConfig(
+            max_slots=cfg.max_slots,
+            max_batch_size=min(max_batch_size, cfg.max_slots),
+            max_len=cfg.max_len,
+            prefill_chunk=cfg.prefill_chunk,
+        )
+    )
+    queue: deque[int] = deque()
+    in_flight = 0
+    rejected = 0
+    timings: list[RequestTiming] = []
+    n = len(arrivals)
+    arr = arrivals.tolist()
+    pl = prompts.tolist()
+    ol = outputs.tolist()
+
+    def admit(i: int) -> None:
+        sched.add(
+            SeqRequest(request_id=str(i), prompt_len=pl[i], max_tokens=ol[i], arrival_s=arr[i])
+        )
+
+    t = 0.0
+    i = 0
+    steps = 0
+    busy = 0.0
+    noise = np.empty(0)
+    k = 0
+    while t < end_s:
+        while i < n and arr[i] <= t:
+            if in_flight < max_concurrency:
+                admit(i)
+                in_flight += 1
+            elif len(queue) < cfg.queue_limit:
+                queue.append(i)
+            elif arr[i] >= cfg.warmup_s:
+                rejected += 1
+            i += 1
+        if not sched.has_work:
+            if i >= n:
+                break
+            t = arr[i]
+            continue
+        plan = sched.schedule(now_s=t)
+        if k >= len(noise):
+            noise = (
+                rng.lognormal(-sigma * sigma / 2, sigma, size=_NOISE_BLOCK)
+                if sigma
+                else (np.ones(_NOISE_BLOCK))
+            )
+            k = 0
+        dt = step_time(plan) * slowdown * float(noise[k])
+        k += 1
+        if not (math.isfinite(dt) and dt > 0):
+            raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
+        t += dt
+        busy += dt
+        steps += 1
+        if steps > cfg.max_steps:
+            raise RuntimeError(f"simulation exceeded max_steps={cfg.max_steps}")
+        for f in sched.update(plan, {}, now_s=t):
+            in_flight -= 1
+            if cfg.warmup_s <= t <= end_s:
+                timings.append(f.timing)
+        while queue and in_flight < max_concurrency:
+            admit(queue.popleft())
+            in_flight += 1
+    obs = observation_from_timings(
+        timings,
+        slo=slo,
+        start_s=cfg.warmup_s,
+        end_s=end_s,
+        rejected=rejected,
+        confidence=cfg.confidence,
+    )
+    logger.debug(
+        "sim B=%d C=%d: %d steps, %d done, %d rejected",
+        max_batch_size,
+        max_concurrency,
+        steps,
+        obs.completed,
+        rejected,
+    )
+    return SimResult(
+        observation=obs,
+        timings=tuple(timings),
+        steps=steps,
+        busy_s=busy,
+        sim_s=t,
+        slowdown=slowdown,
+    )

@@ -1,0 +1,122 @@
+"""Synthetic request streams for the simulator: arrivals and prompt/output lengths.
+
+A :class:`Workload` is Poisson arrivals at ``rate_rps`` (or a replayed trace of
+arrival offsets) with prompt and output lengths from :class:`LengthDist`.
+Everything is drawn from a numpy ``Generator`` handed in, so a seed fixes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+LENGTH_KINDS = ("fixed", "uniform", "lognormal")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthDist:
+    """Token counts: ``fixed`` (= mean), ``uniform`` on [lo, hi], or ``lognormal`` with the
+    given mean and coefficient of variation ``cv``, clipped to [lo, hi]."""
+
+    kind: str = "fixed"
+    mean: int = 128
+    cv: float = 0.5
+    lo: int = 1
+    hi: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.kind not in LENGTH_KINDS:
+            raise ValueError(f"kind={self.kind!r}: choose one of {LENGTH_KINDS}")
+        if not (isinstance(self.lo, int) and 1 <= self.lo <= self.hi):
+            raise ValueError(f"lo={self.lo!r}, hi={self.hi!r}: need integers 1 <= lo <= hi")
+        if not self.lo <= self.mean <= self.hi:
+            raise ValueError(f"mean={self.mean!r}: must lie in [lo={self.lo}, hi={self.hi}]")
+        if not (math.isfinite(self.cv) and self.cv >= 0):
+            raise ValueError(f"cv={self.cv!r}: must be a finite number >= 0")
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "fixed":
+            x = np.full(n, float(self.mean))
+        elif self.kind == "uniform":
+            x = rng.uniform(self.lo, self.hi + 1, size=n)
+        else:
+            sigma = math.sqrt(math.log1p(self.cv**2))
+            mu = math.log(self.mean) - sigma**2 / 2
+            x = rng.lognormal(mu, sigma, size=n)
+        return np.clip(np.floor(x), self.lo, self.hi).astype(np.int64)  # [n]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """Open-loop load: Poisson at ``rate_rps``, or ``trace`` arrival offsets (seconds,
+    sorted) replayed cyclically when ``rate_rps`` is None."""
+
+    rate_rps: float | None = 10.0
+    prompt: LengthDist = LengthDist(kind="lognormal", mean=256, cv=0.5, lo=8, hi=2048)
+    output: LengthDist = LengthDist(kind="lognormal", mean=128, cv=0.5, lo=2, hi=1024)
+    trace: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.trace is None:
+            if self.rate_rps is None or not (math.isfinite(self.rate_rps) and self.rate_rps > 0):
+                raise ValueError(f"rate_rps={self.rate_rps!r}: must be > 0 (or give a trace)")
+        else:
+            t = self.trace
+            if len(t) < 2 or any(b < a for a, b in zip(t, t[1:], strict=False)) or t[0] < 0:
+                raise ValueError("trace: need >= 2 sorted, non-negative arrival offsets")
+
+    @classmethod
+    def preset(cls, name: str, *, rate_rps: float) -> Workload:
+        presets = {
+            "chat": cls(rate_rps=rate_rps),
+            "short": cls(
+                rate_rps=rate_rps,
+                prompt=LengthDist(kind="lognormal", mean=128, cv=0.5, lo=8, hi=1024),
+                output=LengthDist(kind="lognormal", mean=64, cv=0.5, lo=2, hi=512),
+            ),
+            "fixed": cls(
+                rate_rps=rate_rps,
+                prompt=LengthDist(kind="fixed", mean=128),
+                output=LengthDist(kind="fixed", mean=64),
+            ),
+        }
+        if name not in presets:
+            raise ValueError(f"workload preset {name!r}: choose one of {sorted(presets)}")
+        return presets[name]
+
+    def with_rate(self, rate_rps: float) -> Workload:
+        return Workload(rate_rps=rate_rps, prompt=self.prompt, output=self.output)
+
+    def arrivals(self, rng: np.random.Generator, until_s: float) -> np.ndarray:
+        """Sorted arrival times in [0, until_s)."""
+        if self.trace is not None and self.rate_rps is None:
+            period = self.trace[-1] + (self.trace[-1] - self.trace[0]) / (len(self.trace) - 1)
+            base = np.asarray(self.trace, dtype=np.float64)  # [m]
+            reps = int(math.ceil(until_s / period)) + 1
+            t = (base[None, :] + period * np.arange(reps)[:, None]).ravel()  # [reps*m]
+            return t[t < until_s]
+        assert self.rate_rps is not None
+        n = int(self.rate_rps * until_s * 1.2 + 10 * math.sqrt(self.rate_rps * until_s) + 10)
+        gaps = rng.exponential(1.0 / self.rate_rps, size=n)  # [n]
+        t = np.cumsum(gaps)
+        while t[-1] < until_s:  # vanishingly rare
+            t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(1 / self.rate_rps, n))])
+        return t[t < until_s]
+
+    def lengths(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt_len [n], output_len [n])."""
+        return self.prompt.sample(rng, n), self.output.sample(rng, n)
+
+
+def mean_tokens(dist: LengthDist) -> float:
+    """Expected value of the clipped distribution (estimated on a fixed sample)."""
+    if dist.kind == "fixed":
+        return float(dist.mean)
+    return float(dist.sample(np.random.default_rng(0), 20000).mean())
+
+
+def as_trace(offsets: Sequence[float]) -> tuple[float, ...]:
+    return tuple(float(x) for x in offsets)
