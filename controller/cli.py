@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from controller import cli_roofline, cli_serve, cli_tune
+from controller import cli_roofline, cli_serve, cli_simulate, cli_tune
 from controller.errors import BadInput, NoFeasiblePoint
 from metrics import cli as cli_metrics
 
@@ -40,6 +40,7 @@ cli_roofline.register(app)  # roofline, calibrate
 cli_tune.register(app)  # tune, export
 cli_serve.register(app)  # serve
 cli_metrics.register(app)  # observe
+cli_simulate.register(app)  # simulate
 
 
 def main(argv: list[str] | None = None) -> None:
