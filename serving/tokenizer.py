@@ -68,7 +68,7 @@ class HFTokenizer:
         self.bos_id, self.eos_id = bos_id, eos_id
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text).ids  # with the post-processor (e.g. Llama BOS)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
