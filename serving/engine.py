@@ -393,12 +393,12 @@ class AsyncEngine:
             for rid, tok in out.tokens.items():
                 self._deliver(rid, tok)
             for f in out.finished:
-                self._deliver(f.request_id, _DONE)
-                if self.on_finish is not None:
+                if self.on_finish is not None:  # before the stream ends: metrics first
                     try:
                         self.on_finish(f.timing)
                     except Exception:
                         logger.exception("on_finish failed for %s", f.request_id)
+                self._deliver(f.request_id, _DONE)
 
     def _fail_all(self, err: Exception) -> None:
         for rid in self.engine.abort_all():

@@ -258,3 +258,26 @@ def test_async_validation_error_before_any_token(async_engine) -> None:
     with pytest.raises(ValueError, match="must not be empty"):
         asyncio.run(main())
     assert aeng.stats().running == 0
+
+
+def test_async_many_streams_with_cancellations_leak_nothing(async_engine) -> None:
+    aeng, finished = async_engine
+    n = 12
+
+    async def one(i):
+        got = []
+        async for t in aeng.generate([i + 1, 2], max_tokens=3 + i % 4):
+            got.append(t)
+            if i % 3 == 0 and len(got) == 2:
+                break  # a client that leaves early
+        return got
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    outs = asyncio.run(main())
+    for i, out in enumerate(outs):
+        assert len(out) == (2 if i % 3 == 0 else 3 + i % 4)
+    s = aeng.stats()
+    assert (s.running, s.waiting, s.kv_usage) == (0, 0, 0.0)
+    assert len(finished) == n - len(range(0, n, 3))
