@@ -104,10 +104,11 @@ class Scenario:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.load_factor) and self.load_factor > 0):
             raise ValueError(f"load_factor={self.load_factor!r}: must be > 0")
-        if self.workload.prompt.hi + self.workload.output.hi > self.max_len:
+        longest = self.workload.prompt.max_tokens + self.workload.output.max_tokens
+        if longest > self.max_len:
             raise ValueError(
-                f"max_len={self.max_len}: prompt.hi + output.hi ="
-                f" {self.workload.prompt.hi + self.workload.output.hi} must fit in a slot"
+                f"max_len={self.max_len}: the longest prompt + answer ({longest} tokens)"
+                " must fit in a slot"
             )
 
 

@@ -37,6 +37,11 @@ class LengthDist:
         if not (math.isfinite(self.cv) and self.cv >= 0):
             raise ValueError(f"cv={self.cv!r}: must be a finite number >= 0")
 
+    @property
+    def max_tokens(self) -> int:
+        """The largest count it can draw."""
+        return self.mean if self.kind == "fixed" else self.hi
+
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.kind == "fixed":
             x = np.full(n, float(self.mean))

@@ -1,0 +1,290 @@
+"""The tuner: stop rule tables, roofline guidance, re-measurement, persistence and resume."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
+from search.guide import Guide
+from search.space import Knobs, SearchSpace
+from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
+from search.tuner import CONSTRAINT_NAMES, Tuner
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
+SPACE = SearchSpace(batch_min=1, batch_max=256, headroom_max=4.0)
+
+
+def model_tpot(b: int) -> float:
+    """The 'peak roofline' the tuner is given: optimistic by ~2x."""
+    return 0.008 + 0.0006 * b
+
+
+class Fleet:
+    """A fast stand-in for a deployment: TPOT = 2x the model + 2 ms, TTFT grows with the
+    queue (headroom above 1) and with batch; noisy; verdicts as a real window gives them
+    (MET/VIOLATED with margin, INSUFFICIENT near the threshold)."""
+
+    def __init__(self, seed: int = 0, noise: float = 0.02) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.noise = noise
+        self.calls = 0
+
+    @staticmethod
+    def true(k: Knobs) -> tuple[float, float, float]:
+        tpot = 0.002 + 2 * model_tpot(k.max_batch_size)
+        ttft = 0.05 + 0.004 * k.max_batch_size + 3.0 * (k.headroom - 1.0)
+        goodput = k.max_batch_size / (tpot * 100)
+        return tpot, ttft, goodput
+
+    def __call__(self, k: Knobs) -> Observation:
+        self.calls += 1
+        tpot, ttft, goodput = self.true(k)
+        f = float(np.exp(self.rng.normal(0, self.noise)))
+        tpot, ttft, goodput = tpot * f, ttft * f, goodput / f
+
+        def v(est: float, thr: float) -> SloVerdict:
+            if est <= 0.98 * thr:
+                verdict = Verdict.MET
+            elif est > 1.02 * thr:
+                verdict = Verdict.VIOLATED
+            else:
+                verdict = Verdict.INSUFFICIENT
+            return SloVerdict(
+                verdict=verdict, threshold_s=thr, estimate_s=est, samples=1000, confidence=0.95
+            )
+
+        tv, pv = v(ttft, SLO.ttft_p99_s), v(tpot, SLO.tpot_p99_s)
+        ok = tv.verdict is Verdict.MET and pv.verdict is Verdict.MET
+        n = round(goodput * 60)
+        return Observation(
+            start_s=0.0,
+            end_s=60.0,
+            completed=n,
+            slo_met=n if ok else n // 3,
+            ttft=Percentiles(p99=ttft),
+            tpot=Percentiles(p99=tpot),
+            ttft_verdict=tv,
+            tpot_verdict=pv,
+        )
+
+
+def oracle() -> Knobs:
+    best = None
+    for b in range(1, SPACE.batch_max + 1):
+        k = Knobs(max_batch_size=b, max_concurrency=b)
+        tpot, ttft, g = Fleet.true(k)
+        if tpot <= 0.98 * SLO.tpot_p99_s and ttft <= 0.98 * SLO.ttft_p99_s:
+            best = k
+    assert best is not None
+    return best
+
+
+def make(tmp_path: Path | None = None, *, seeded: bool = True, name: str = "t", **kw) -> Tuner:
+    return Tuner(
+        space=SPACE,
+        slo=SLO,
+        storage=None if tmp_path is None else str(tmp_path / "study.journal"),
+        study_name=name,
+        seed_knobs=[Knobs(max_batch_size=70, max_concurrency=70)] if seeded else [],
+        model_tpot_s=model_tpot if seeded else None,
+        seed=0,
+        **kw,
+    )
+
+
+def p(
+    b: int,
+    *,
+    g: float,
+    feasible: bool = True,
+    n: int = 2,
+    first: int = 0,
+    tpot_ok: bool = True,
+    c: int | None = None,
+) -> PointSummary:
+    return PointSummary(
+        knobs=Knobs(max_batch_size=b, max_concurrency=c or b),
+        measurements=n,
+        goodput_rps=g,
+        feasible=feasible,
+        ttft_p99_s=0.5,
+        tpot_p99_s=0.04 if tpot_ok else 0.06,
+        ttft_ok=True,
+        tpot_ok=tpot_ok,
+        first_trial=first,
+        last_trial=first + n - 1,
+    )
+
+
+RULE = StopRule(
+    confirmations=2, patience=3, min_improvement=0.02, bracket_ratio=1.15, max_trials=30
+)
+
+
+@pytest.mark.parametrize(
+    ("points", "n_trials", "expect"),
+    [
+        ([], 30, "max_trials"),
+        ([p(10, g=5.0, n=1)], 3, None),  # nothing confirmed
+        (
+            [p(10, g=5.0, first=0), p(11, g=0.1, feasible=False, tpot_ok=False, n=1, first=2)],
+            3,
+            "bracketed",
+        ),
+        (
+            [p(10, g=5.0, first=0), p(13, g=0.1, feasible=False, tpot_ok=False, n=1, first=2)],
+            3,
+            None,
+        ),  # 13 > 10 * 1.15: not tight enough
+        (
+            [p(10, g=5.0, first=0), p(5, g=3.0, first=2, n=1), p(6, g=3.5, first=3, n=1)],
+            5,
+            "stable",
+        ),
+        ([p(10, g=5.0, first=0), p(12, g=5.5, first=3, n=1)], 5, None),  # gain 10% at trial 3
+        ([p(10, g=5.0, first=0), p(12, g=5.05, first=3, n=1)], 5, "stable"),  # gain 1% only
+    ],
+)
+def test_stop_rule_table(points: list, n_trials: int, expect: str | None) -> None:
+    why = stop_reason(points, n_trials, RULE)
+    if expect is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(expect)
+
+
+def test_incumbent_needs_confirmations_and_feasibility() -> None:
+    pts = [p(10, g=9.0, n=1), p(8, g=7.0, n=2), p(12, g=12.0, feasible=False)]
+    assert incumbent(pts).knobs.max_batch_size == 10
+    assert incumbent(pts, confirmations=2).knobs.max_batch_size == 8
+
+
+def test_stop_rule_presets_and_validation() -> None:
+    assert StopRule.preset("thorough").confirmations == 3
+    with pytest.raises(ValueError, match="'nope'"):
+        StopRule.preset("nope")
+    with pytest.raises(ValueError, match="bracket_ratio=1"):
+        StopRule(bracket_ratio=1)
+
+
+def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
+    guide = Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, aim=1.0, ttft_aim=1.0)
+    # Measured at B=70: 2x the model. Constant factor 2 -> 2 (0.008 + 0.0006 b) <= 0.05.
+    pts = [
+        PointSummary(
+            knobs=Knobs(max_batch_size=70, max_concurrency=70),
+            measurements=1,
+            goodput_rps=0.0,
+            feasible=False,
+            ttft_p99_s=0.3,
+            tpot_p99_s=2 * model_tpot(70),
+            ttft_ok=True,
+            tpot_ok=False,
+            first_trial=0,
+            last_trial=0,
+        )
+    ]
+    assert guide.correction(pts)(70) == pytest.approx(2.0)
+    # The models say 28; nothing is feasible yet, so the step is bounded to [70/4, 0.9*70].
+    assert guide.target_batch(pts) == 28
+
+
+def test_seed_first_then_guided_then_remeasure_and_constraints_reach_optuna() -> None:
+    tuner = make()
+    fleet = Fleet()
+    first = tuner.propose()
+    assert first == Knobs(max_batch_size=70, max_concurrency=70)
+    assert tuner.propose() == first  # idempotent until reported
+    tuner.report(first, fleet(first))
+    phases = ["seed"]
+    for _ in range(12):
+        k = tuner.propose()
+        tuner.report(k, fleet(k))
+        phases.append(tuner.trials()[-1].phase)
+        if tuner.should_stop():
+            break
+    assert phases[1] == "guided"
+    assert "remeasure" in phases
+    t0 = tuner.study.trials[0]
+    assert set(t0.constraints) == set(CONSTRAINT_NAMES)
+    assert t0.constraints[CONSTRAINT_NAMES[1]] > 0  # B=70 is far over the TPOT SLO
+    best = tuner.best()
+    assert best is not None and best[1].measurements >= 2 and best[1].feasible
+
+
+def test_best_is_not_declared_before_a_remeasurement() -> None:
+    tuner = make(seeded=False)
+    k = Knobs(max_batch_size=10, max_concurrency=10)
+    tuner.report(k, Fleet()(k))
+    assert tuner.best() is None
+    assert tuner.best(confirmed=False)[0] == k
+    assert tuner.propose() == k  # the remeasure comes first
+    assert tuner.trials()[-1].phase == "remeasure"
+
+
+def test_finds_the_optimum_of_a_problem_it_was_not_tuned_on() -> None:
+    target = oracle()
+    found = []
+    for seed in range(3):
+        tuner = make(name=f"s{seed}")
+        fleet = Fleet(seed=seed)
+        while not tuner.should_stop():
+            k = tuner.propose()
+            tuner.report(k, fleet(k))
+        best = tuner.best()
+        assert best is not None, tuner.stop_reason()
+        found.append((best[0], fleet.calls))
+    for k, calls in found:
+        tpot, ttft, g = Fleet.true(k)
+        assert tpot <= SLO.tpot_p99_s and ttft <= SLO.ttft_p99_s
+        assert g >= 0.9 * Fleet.true(target)[2], (k, target)
+        assert calls <= RULE.max_trials
+
+
+def test_journal_resume_marks_the_interrupted_trial_failed(tmp_path: Path) -> None:
+    fleet = Fleet()
+    a = make(tmp_path)
+    for _ in range(3):
+        k = a.propose()
+        a.report(k, fleet(k))
+    a.propose()  # then the controller is killed mid-trial
+    del a
+    b = make(tmp_path)  # resume from the same journal file
+    states = [t.state for t in b.study.get_trials(deepcopy=False)]
+    assert states[:3] == [TrialState.COMPLETE] * 3
+    assert states[3] == TrialState.FAIL
+    assert len(b.trials()) == 4 and b.trials()[3].state == "fail"
+    k = b.propose()
+    b.report(k, fleet(k))
+    assert b.trials()[-1].number == 4  # resumed, not restarted
+    # Guidance state is derived from stored trials: no second seed trial.
+    assert sum(1 for r in b.trials() if r.phase == "seed") == 1
+
+
+def test_storage_url_is_accepted(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    t = Tuner(space=SPACE, slo=SLO, storage=url, study_name="u", seed=0)
+    k = t.propose()
+    t.report(k, Fleet()(k))
+    loaded = optuna.load_study(study_name="u", storage=url)
+    assert len(loaded.trials) == 1 and loaded.trials[0].state == TrialState.COMPLETE
+
+
+def test_reporting_an_unproposed_knob_is_recorded_as_external() -> None:
+    t = make(seeded=False)
+    k = Knobs(max_batch_size=5, max_concurrency=6)
+    rec = t.report(k, Fleet()(k))
+    assert rec.phase == "external" and rec.knobs == k
+    assert math.isfinite(rec.goodput_rps)
+
+
+def test_bad_sampler_is_refused() -> None:
+    with pytest.raises(ValueError, match="sampler='cma'"):
+        Tuner(space=SPACE, slo=SLO, sampler="cma")
