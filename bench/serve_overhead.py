@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +36,30 @@ APP = "bench-overhead"
 class Round:
     tokens: int
     seconds: float
+    cpu_s: float = math.nan  # CPU seconds of the processes on the request path
+    cpu_parts: tuple[float, ...] = ()  # per process: client, proxy, replica (Serve rounds)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1e3 * self.cpu_s / self.tokens
+
+
+def cpu_each(pids: list[int]) -> list[float]:
+    """User + system CPU seconds so far of each process (all its threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out.append((int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    return sum(cpu_each(pids))
 
 
 def prompts(n: int) -> list[str]:
@@ -54,12 +76,15 @@ async def engine_round(engine, texts: list[str], max_tokens: int, stop_ids) -> R
             n += 1
         return n
 
-    t0 = time.perf_counter()
+    c0, t0 = cpu_s([os.getpid()]), time.perf_counter()
     counts = await asyncio.gather(*(one(t) for t in texts))
-    return Round(tokens=sum(counts), seconds=time.perf_counter() - t0)
+    dt = time.perf_counter() - t0
+    return Round(tokens=sum(counts), seconds=dt, cpu_s=cpu_s([os.getpid()]) - c0)
 
 
-async def serve_round(url: str, model: str, texts: list[str], max_tokens: int) -> Round:
+async def serve_round(
+    url: str, model: str, texts: list[str], max_tokens: int, pids: list[int]
+) -> Round:
     import httpx
 
     async def one(client: httpx.AsyncClient, text: str) -> int:
@@ -83,9 +108,21 @@ async def serve_round(url: str, model: str, texts: list[str], max_tokens: int) -
 
     limits = httpx.Limits(max_connections=len(texts) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
+        c0, t0 = cpu_each(pids), time.perf_counter()
         counts = await asyncio.gather(*(one(client, t) for t in texts))
-        return Round(tokens=sum(counts), seconds=time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        parts = tuple(b - a for a, b in zip(c0, cpu_each(pids), strict=True))
+        return Round(tokens=sum(counts), seconds=dt, cpu_s=sum(parts), cpu_parts=parts)
+
+
+def proxy_pid() -> int:
+    """The pid of Serve's (single, head-node) HTTP proxy actor."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    (proxy,) = _get_global_client().get_serve_details()["proxies"].values()
+    actor = ray.get_actor(proxy["actor_name"], namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
 
 
 def free_port() -> int:
@@ -102,6 +139,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per side")
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--stream-interval", type=float, default=None, help="seconds (default: the app's)"
+    )
     a = ap.parse_args()
     for k, v in (
         ("RAY_USAGE_STATS_ENABLED", "0"),
@@ -116,7 +156,7 @@ def main() -> None:
     from ray.serve.schema import LoggingConfig
 
     from serving.config import ModelConfig
-    from serving.deploy import delete_app, deploy_app
+    from serving.deploy import delete_app, deploy_app, replica_pids
     from serving.engine import AsyncEngine
 
     texts = prompts(a.batch)
@@ -151,19 +191,22 @@ def main() -> None:
         max_queued_requests=-1,
         device=a.device,
         torch_threads=a.torch_threads,
+        **({} if a.stream_interval is None else {"stream_interval_s": a.stream_interval}),
     )
     url = f"http://127.0.0.1:{port}/v1/completions"
+    # The request path: this process (the HTTP client), Serve's proxy, the replica.
+    pids = [os.getpid(), proxy_pid(), *replica_pids(APP)]
     served = f"slotune-{a.model}"
 
     async def run() -> list[tuple[Round, Round]]:
         engine.start()
         # Warm-up: one round each (allocator, thread pools, HTTP connections).
         await engine_round(engine, texts, a.max_tokens, stop_ids)
-        await serve_round(url, served, texts, a.max_tokens)
+        await serve_round(url, served, texts, a.max_tokens, pids)
         pairs = []
         for _ in range(a.rounds):
             e = await engine_round(engine, texts, a.max_tokens, stop_ids)
-            s = await serve_round(url, served, texts, a.max_tokens)
+            s = await serve_round(url, served, texts, a.max_tokens, pids)
             pairs.append((e, s))
         engine.stop()
         return pairs
@@ -176,27 +219,44 @@ def main() -> None:
         ray.shutdown()
 
     ratios = [s.tokens_per_s / e.tokens_per_s for e, s in pairs]
+
+    def med_ms(rounds: Iterable[Round]) -> float:
+        return round(statistics.median(r.cpu_ms_per_token for r in rounds), 3)
+
+    cpu_ratios = [s.cpu_ms_per_token / e.cpu_ms_per_token for e, s in pairs]
     print(f"model={a.model} batch={a.batch} max_tokens={a.max_tokens} threads={a.torch_threads}")
     print(
         f"{'round':>5} {'engine tok':>10} {'engine tok/s':>12} {'serve tok':>9} "
-        f"{'serve tok/s':>11} {'ratio':>6}"
+        f"{'serve tok/s':>11} {'ratio':>6} {'engine cpu ms/tok':>17} {'serve cpu ms/tok':>16}"
     )
     for i, ((e, s), r) in enumerate(zip(pairs, ratios, strict=True)):
         print(
             f"{i:>5} {e.tokens:>10} {e.tokens_per_s:>12.1f} {s.tokens:>9} "
-            f"{s.tokens_per_s:>11.1f} {r:>6.3f}"
+            f"{s.tokens_per_s:>11.1f} {r:>6.3f} {e.cpu_ms_per_token:>17.2f} "
+            f"{s.cpu_ms_per_token:>16.2f}"
         )
     result = {
         "serve_to_engine_ratio": round(statistics.median(ratios), 4),
         "ratios": [round(r, 4) for r in ratios],
         "engine_tokens_per_s": round(statistics.median(e.tokens_per_s for e, _ in pairs), 1),
         "serve_tokens_per_s": round(statistics.median(s.tokens_per_s for _, s in pairs), 1),
+        # CPU per token of the whole request path (client + proxy + replica) over the
+        # engine's in process: the overhead in a form other load on the machine moves less.
+        "serve_to_engine_cpu_per_token": round(statistics.median(cpu_ratios), 4),
+        "engine_cpu_ms_per_token": med_ms(e for e, _ in pairs),
+        "serve_cpu_ms_per_token": med_ms(s for _, s in pairs),
+        # Serve path CPU ms per token by process (median over rounds).
+        "serve_cpu_ms_per_token_by_process": {
+            name: round(statistics.median(1e3 * s.cpu_parts[k] / s.tokens for _, s in pairs), 3)
+            for k, name in enumerate(("client", "proxy", "replica"))
+        },
         "model": a.model,
         "batch": a.batch,
         "max_tokens": a.max_tokens,
         "torch_threads": a.torch_threads,
         "rounds": a.rounds,
         "device": a.device,
+        "stream_interval_s": a.stream_interval,
     }
     print(json.dumps(result))
 

@@ -47,6 +47,9 @@ def serve(
     checkpoint: str | None = typer.Option(None, help="Local HF-layout checkpoint directory."),
     max_len: int = typer.Option(512, help="Context per request (prompt + output tokens)."),
     app_name: str = typer.Option("slotune", help="Serve application name."),
+    stream_interval: float = typer.Option(
+        0.02, help="Send streamed text at most this often per request, seconds (0: every token)."
+    ),
     run_for: float = typer.Option(
         0.0, "--for", help="Serve this many seconds, then exit (0: until Ctrl-C)."
     ),
@@ -72,6 +75,7 @@ def serve(
             checkpoint=checkpoint,
             max_len=max_len,
             torch_threads=torch_threads,
+            stream_interval_s=stream_interval,
         )
         slo = Slo(ttft_p99_s=ttft_slo, tpot_p99_s=tpot_slo)
         LiveConfig(max_batch_size=max_batch_size)
@@ -121,6 +125,7 @@ def serve(
             checkpoint=checkpoint,
             max_len=max_len,
             torch_threads=torch_threads,
+            stream_interval_s=stream_interval,
             name=app_name,
         )
         url = f"http://{LOOPBACK}:{port}"

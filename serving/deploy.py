@@ -29,7 +29,13 @@ from typing import Any
 
 from metrics import names
 from metrics.observation import Slo
-from serving.app import DEPLOYMENT_NAME, KV_NAMESPACE, LiveConfig, ServerArgs
+from serving.app import (
+    DEFAULT_STREAM_INTERVAL_S,
+    DEPLOYMENT_NAME,
+    KV_NAMESPACE,
+    LiveConfig,
+    ServerArgs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +150,7 @@ def deploy_app(
     max_len: int | None = None,
     seed: int = 0,
     torch_threads: int = 1,
+    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 120.0,
@@ -152,7 +159,7 @@ def deploy_app(
 
     Ray must be initialised; Serve is started on loopback if it is not running.
     Changing ``model``/``max_slots``/``device``/``checkpoint``/``max_len``/``seed``/
-    ``torch_threads`` rebuilds the replicas; the knobs alone update in place.
+    ``torch_threads``/``stream_interval_s`` rebuilds the replicas; the knobs alone update in place.
     """
     slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
     args = ServerArgs(
@@ -163,6 +170,7 @@ def deploy_app(
         max_len=max_len,
         seed=seed,
         torch_threads=torch_threads,
+        stream_interval_s=stream_interval_s,
     )
     live = LiveConfig(
         max_batch_size=max_batch_size,
