@@ -239,3 +239,27 @@ def test_changing_args_does_restart_the_replica(deployed: str) -> None:
     )
     new = replica_pids(APP)
     assert len(new) == 1 and new != pids
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--port", "0"], "--port 0"),
+        (["--port", "9000", "--metrics-port", "9000"], "both 9000"),
+        (["--model", "huge"], "model='huge'"),
+        (["--max-batch-size", "65", "--max-slots", "64"], "--max-batch-size 65"),
+        (["--ttft-slo", "-1"], "ttft_p99_s=-1"),
+        (["--stream-interval", "5"], "stream_interval_s=5"),
+        (["--checkpoint", "/nonexistent/ckpt"], "not a directory"),
+    ],
+)
+def test_slotune_serve_rejects_bad_flags_before_starting_ray(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("slotune: error:") and fragment in err and "\n" not in err
