@@ -3,13 +3,15 @@
 Starts a local Ray + Serve (loopback), deploys the built-in model, runs the
 canary loop exactly as ``slotune tune`` does (roofline seed, Optuna, stop rule),
 then measures a grid of batch sizes (concurrency = batch, and 2x batch) with the
-same window plan. The tune's chosen point is re-measured inside the grid phase,
-so both sides of the ratio come from the same conditions.
+same window plan. Then the tune's pick and the grid's best are measured in
+alternation, so both sides of the ratio come from the same conditions.
 
 Prints a table of every trial and grid point, then one JSON line last:
 ``tune_trials``, ``tune_wall_s``, ``trial_wall_s`` (each trial), ``grid_points``,
-``grid_wall_s``, ``tune_goodput_rps`` (re-measured), ``grid_best_goodput_rps``,
-``ratio`` (tune ÷ grid best; target ≥ 0.9).
+``grid_wall_s``, ``grid_best_goodput_rps`` and ``ratio``: the tune's pick and the grid's
+best re-measured alternately (``--repeats`` rounds), mean goodput of the pick ÷ mean
+goodput of the best (target ≥ 0.9); ``ratio_tune_time`` compares the pick as measured
+while tuning with the grid's measurement of its best.
 
     .venv/bin/python bench/tune_vs_grid.py            # small model, as `slotune tune`
     .venv/bin/python bench/tune_vs_grid.py --model tiny --quick
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=240.0)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="short windows, a coarse grid")
+    ap.add_argument("--repeats", type=int, default=3, help="head-to-head rounds")
     ap.add_argument("--out", default="slotune-out/bench-tune-vs-grid")
     args = ap.parse_args()
 
@@ -134,22 +137,35 @@ def main() -> None:
             batches = [b for b in batches if b in (1, 4, 16, 32, 64, 128) or b == top]
         grid = [Knobs(max_batch_size=b, max_concurrency=b) for b in batches]
         grid += [Knobs(max_batch_size=b, max_concurrency=2 * b) for b in batches if b >= 4]
-        if chosen is not None:
-            pick = Knobs(max_batch_size=chosen.max_batch_size,
-                         max_concurrency=chosen.max_concurrency)  # fmt: skip
-            grid.append(pick)
         rows: list[tuple[Knobs, TrialRecord]] = []
-        t1 = time.monotonic()
-        for i, k in enumerate(grid):
+
+        def measure(k: Knobs, number: int) -> TrialRecord:
             target.apply(k)
             tg = time.monotonic()
             m = target.measure(k)
             ev = evaluate(m.observation, slo)
-            rows.append((k, TrialRecord.from_observation(
-                number=i, knobs=k, obs=m.observation, feasible=ev.feasible,
+            return TrialRecord.from_observation(
+                number=number, knobs=k, obs=m.observation, feasible=ev.feasible,
                 wall_s=time.monotonic() - tg, client=m.client,
-            )))  # fmt: skip
+            )  # fmt: skip
+
+        t1 = time.monotonic()
+        for i, k in enumerate(grid):
+            rows.append((k, measure(k, i)))
         grid_wall = time.monotonic() - t1
+        # Head to head: the tune's pick and the grid's best, alternating, same conditions.
+        feas = [(k, t) for k, t in rows if t.feasible]
+        best_k = max(feas, key=lambda kt: kt[1].goodput_rps)[0] if feas else None
+        pick = (
+            Knobs(max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency)
+            if chosen is not None
+            else None
+        )
+        duel: dict[str, list[TrialRecord]] = {"pick": [], "best": []}
+        if pick is not None and best_k is not None:
+            for r in range(args.repeats):
+                duel["pick"].append(measure(pick, 100 + 2 * r))
+                duel["best"].append(measure(best_k, 101 + 2 * r))
     finally:
         cli_tune._shutdown_local()
 
@@ -163,21 +179,36 @@ def main() -> None:
               f"{'yes' if t.feasible else 'no':>3} {t.completed:>5} {t.wall_s:>6.1f}")  # fmt: skip
     print(f"tune: {len(outcome.report.trials)} trials in {tune_wall:.0f} s; "
           f"stop: {outcome.stop_reason}")  # fmt: skip
-    print("\ngrid (same deployment, same windows); last row re-measures the tune's pick")
+    print("\ngrid (same deployment, same windows)")
     for k, t in rows:
         print(f"    {k.max_batch_size:>4} {k.max_concurrency:>4} {t.goodput_rps:>8.2f} "
               f"{t.tokens_per_s:>7.0f} {t.p99_ttft_ms:>9.1f} {t.p99_tpot_ms:>9.1f} "
               f"{'yes' if t.feasible else 'no':>3} {t.completed:>5} {t.wall_s:>6.1f}")  # fmt: skip
-    grid_rows = rows[:-1] if chosen is not None else rows
-    feas = [t for _, t in grid_rows if t.feasible]
-    best = max(feas, key=lambda t: t.goodput_rps) if feas else None
-    tune_again = rows[-1][1] if chosen is not None else None
-    tune_good = tune_again.goodput_rps if tune_again and tune_again.feasible else 0.0
-    ratio = tune_good / best.goodput_rps if best is not None and best.goodput_rps > 0 else math.nan
-    print(f"\ngrid: {len(grid_rows)} points in {grid_wall:.0f} s; best feasible: "
+    best = next((t for k, t in rows if k == best_k), None)
+    print(f"\ngrid: {len(rows)} points in {grid_wall:.0f} s; best feasible: "
           + (f"B={best.max_batch_size},C={best.max_concurrency} {best.goodput_rps:.2f} req/s"
              if best else "none"))  # fmt: skip
-    print(f"tune's pick re-measured: {tune_good:.2f} req/s; ratio to grid best {ratio:.3f}")
+
+    def mean(ts: list[TrialRecord]) -> float:
+        return sum(t.goodput_rps for t in ts) / len(ts) if ts else math.nan
+
+    pick_g, best_g = mean(duel["pick"]), mean(duel["best"])
+    ratio = pick_g / best_g if best_g and best_g > 0 else math.nan
+    pick_ok = sum(t.feasible for t in duel["pick"])
+    best_ok = sum(t.feasible for t in duel["best"])
+    same = [] if chosen is None else outcome.report.measurements_of(chosen)
+    tune_g = mean(same)
+    ratio_tune_time = tune_g / best.goodput_rps if best and best.goodput_rps > 0 else math.nan
+    print("\nhead to head, alternating (goodput req/s, verdict)")
+    for name in ("pick", "best"):
+        cells = "  ".join(
+            f"{t.goodput_rps:.2f} {'ok' if t.feasible else 'miss'}" for t in duel[name]
+        )
+        print(f"  {name}: {cells}")
+    print(
+        f"pick / grid best goodput: {ratio:.3f} (re-measured, alternating); "
+        f"{ratio_tune_time:.3f} (pick as measured while tuning vs the grid's measurement)"
+    )
     print(json.dumps({
         "model": args.model,
         "quick": args.quick,
@@ -188,13 +219,18 @@ def main() -> None:
         "tune_trials": len(outcome.report.trials),
         "tune_wall_s": round(tune_wall, 1),
         "trial_wall_s": [round(t.wall_s, 1) for t in outcome.report.trials],
-        "tune_pick": None if chosen is None else [chosen.max_batch_size, chosen.max_concurrency],
-        "tune_goodput_rps": round(tune_good, 3),
-        "grid_points": len(grid_rows),
+        "tune_pick": None if pick is None else [pick.max_batch_size, pick.max_concurrency],
+        "grid_points": len(rows),
         "grid_wall_s": round(grid_wall, 1),
         "grid_best": None if best is None else [best.max_batch_size, best.max_concurrency],
         "grid_best_goodput_rps": None if best is None else round(best.goodput_rps, 3),
+        "pick_goodput_rps_remeasured": None if math.isnan(pick_g) else round(pick_g, 3),
+        "best_goodput_rps_remeasured": None if math.isnan(best_g) else round(best_g, 3),
+        "pick_feasible_windows": f"{pick_ok}/{len(duel['pick'])}",
+        "best_feasible_windows": f"{best_ok}/{len(duel['best'])}",
         "ratio": None if math.isnan(ratio) else round(ratio, 3),
+        "ratio_tune_time": None if math.isnan(ratio_tune_time) else round(ratio_tune_time, 3),
+        "load_average_1m": round(os.getloadavg()[0], 1),
     }))  # fmt: skip
 
 
