@@ -158,7 +158,7 @@ def test_knob_update_is_in_place_and_in_flight_streams_survive(deployed: str) ->
 
     pids = replica_pids(APP)
     assert len(pids) == 1
-    max_tokens = 200
+    max_tokens = 300  # long enough to be in flight when the update lands
     out: list = []
     first = threading.Event()
     body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "temperature": 0}
