@@ -116,8 +116,11 @@ def main() -> None:
             model_tpot_s=searched["roofline"].step_time_s,
             seed=0,
         )
+        a = searched["analysis"]
         base = CurveReport(slo=slo, trials=(), predicted=searched["predicted"],
-                           model=args.model, hardware=hw.name)  # fmt: skip
+                           model=args.model, hardware=hw.name, knee_batch=a.knee_batch,
+                           ridge_flops_per_byte=a.ridge_flops_per_byte,
+                           predicted_batch=searched["seed_batch"])  # fmt: skip
         t0 = time.monotonic()
         outcome = run_tune(
             target=target,

@@ -128,7 +128,7 @@ def plot_png(report: CurveReport) -> bytes:
         )
         _scale_axes(ax, report)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8, framealpha=0.85)
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
