@@ -240,12 +240,16 @@ class CompletionServer:
         }
 
     def stats(self) -> dict[str, Any]:
+        from ray.serve._private import constants
+
         s = self.engine.stats()
         return {
             "running": s.running,
             "waiting": s.waiting,
             "kv_usage": s.kv_usage,
             "max_batch_size": s.max_batch_size,
+            # serving/deploy.py REPLICA_ENV_VARS: False when the setting took effect.
+            "user_code_in_separate_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
             **self.state(),
         }
 
