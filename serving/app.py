@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, fields
@@ -177,7 +178,9 @@ class CompletionServer:
         self.live = LiveConfig(max_batch_size=min(8, self.args.max_slots))
         self.created = int(time.time())
         self.pid = os.getpid()
-        self.metrics = ServeMetrics(slo=self.live.slo)
+        self._metrics: ServeMetrics | None = None  # made on first use: see `metrics`
+        self._metrics_lock = threading.Lock()
+        self.gauges: GaugeRefresher | None = None
         self.engine = AsyncEngine(
             model_config=ModelConfig.from_name(self.args.model),
             max_slots=self.args.max_slots,
@@ -193,12 +196,21 @@ class CompletionServer:
         eos = getattr(self.tokenizer, "eos_id", None)
         self.stop_ids: tuple[int, ...] = () if eos is None else (eos,)
         self.engine.start()
-        self.gauges = GaugeRefresher(metrics=self.metrics, stats=self.engine.stats)
-        self.gauges.start()
         ctx = serve.get_replica_context()
         self._kv_key = f"{ctx.app_name}/{ctx.replica_tag}".encode()
         self._publish()
         logger.info("replica %s up: pid %d, %s", ctx.replica_tag, self.pid, self.args)
+
+    @property
+    def metrics(self) -> ServeMetrics:
+        """Created at the first use, normally in the first ``reconfigure`` (Ray calls it
+        before any request), so the histogram bounds contain the deployed SLO."""
+        with self._metrics_lock:
+            if self._metrics is None:
+                self._metrics = ServeMetrics(slo=self.live.slo)
+                self.gauges = GaugeRefresher(metrics=self._metrics, stats=self.engine.stats)
+                self.gauges.start()
+            return self._metrics
 
     # -- live knobs ---------------------------------------------------------
 
@@ -210,8 +222,8 @@ class CompletionServer:
                 f"{self.args.max_slots} (a restart with larger max_slots raises it)"
             )
         self.engine.set_max_batch_size(live.max_batch_size)
-        self.metrics.set_slo(live.slo)
         self.live = live
+        self.metrics.set_slo(live.slo)
         self._publish()
         logger.info("applied live config %s", live)
 
@@ -240,16 +252,12 @@ class CompletionServer:
         }
 
     def stats(self) -> dict[str, Any]:
-        from ray.serve._private import constants
-
         s = self.engine.stats()
         return {
             "running": s.running,
             "waiting": s.waiting,
             "kv_usage": s.kv_usage,
             "max_batch_size": s.max_batch_size,
-            # serving/deploy.py REPLICA_ENV_VARS: False when the setting took effect.
-            "user_code_in_separate_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
             **self.state(),
         }
 
@@ -261,7 +269,8 @@ class CompletionServer:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.gauges.stop()
+            if self.gauges is not None:
+                self.gauges.stop()
         with contextlib.suppress(Exception):
             self.engine.stop()
         with contextlib.suppress(Exception):

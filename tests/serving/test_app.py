@@ -211,7 +211,7 @@ def server(ray_cluster):
         max_batch_size=8,
         max_ongoing_requests=16,
         max_queued_requests=32,
-        slo=Slo(ttft_p99_s=1.0, tpot_p99_s=0.1),
+        slo=Slo(ttft_p99_s=0.75, tpot_p99_s=0.08),
     )
     yield SimpleNamespace(base=ray_cluster.http_url + PREFIX, metrics_url=ray_cluster.metrics_url)
     delete_app(APP)
@@ -384,7 +384,12 @@ def test_contract_metrics_on_rays_export_port(server) -> None:
     tokens = _samples(text, names.exported(names.GENERATED_TOKENS_TOTAL), APP)
     assert sum(v for _, v in tokens) >= generated
     les = {lab["le"] for lab, _ in _samples(text, ttft_bucket, APP)}
-    assert "1.0" in les and "+Inf" in les  # the SLO threshold is a bucket bound
+    # The deployed SLO (and the default) are bucket bounds.
+    assert {"0.75", "1.0", "+Inf"} <= les
+    tpot_les = {
+        lab["le"] for lab, _ in _samples(text, names.exported(names.TPOT_SECONDS) + "_bucket", APP)
+    }
+    assert {"0.08", "0.1"} <= tpot_les
     count = _samples(text, names.exported(names.TTFT_SECONDS) + "_count", APP)
     assert sum(v for _, v in count) >= 3
     for gauge in (names.RUNNING_REQUESTS, names.KV_CACHE_USAGE_RATIO, names.MAX_BATCH_SIZE):
