@@ -208,13 +208,68 @@ def run_strategy(
     return cap + 1, False
 
 
+def run_scenario(name: str, seeds: int, cap: int, replicates: int) -> dict:
+    """Every strategy on one scenario (a process of its own with --jobs)."""
+    torch.set_num_threads(1)  # GPSampler's small fits: threads only spin on shared cores
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    bench = Bench(name, replicates)
+    s0 = time.perf_counter()
+    ok, og = bench.oracle()
+    desc = bench.target.describe()
+    print(
+        f"# {name}: {desc['description']}; hardware {desc['hardware']} from"
+        f" {desc['hardware_source']}; seed B={desc['seed_batch']}, oracle {ok}"
+        f" goodput {og:.2f} rps (oracle {time.perf_counter() - s0:.0f}s)",
+        flush=True,
+    )
+    res: dict[str, dict] = {}
+    for strat in STRATEGIES:
+        scap = len(grid_knobs(bench)) if strat == "grid" else cap
+        trials = []
+        reached = 0
+        for seed in range(seeds):
+            n, hit = run_strategy(bench, strat, seed, scap, og)
+            trials.append(n)
+            reached += hit
+        arr = np.asarray(trials, dtype=float)
+        res[strat] = {
+            "median": float(np.median(arr)),
+            "p90": float(np.percentile(arr, 90)),
+            "reached": reached,
+            "runs": seeds,
+            "cap": scap,
+            "censored": reached < seeds,
+        }
+        print(
+            f"  {name} {strat:12s} median {res[strat]['median']:5.1f}"
+            f"  p90 {res[strat]['p90']:5.1f}  reached {reached}/{seeds} (cap {scap})",
+            flush=True,
+        )
+    sl = res["slotune"]["median"]
+    return {
+        **{k: v for k, v in desc.items() if k != "description"},
+        "oracle_knobs": ok.as_dict(),
+        "oracle_goodput_rps": round(og, 3),
+        "strategies": res,
+        "ratio_vs_tpe": round(res["tpe"]["median"] / sl, 2),
+        "ratio_vs_grid": round(res["grid"]["median"] / sl, 2),
+        "ratio_vs_gp_unseeded": round(res["gp-unseeded"]["median"] / sl, 2),
+        "sim_windows": bench.sim_windows,
+        "truth_windows": bench.truth_windows,
+        "measurements": bench.lookups,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 scenarios x 3 seeds, low caps (CI)")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--scenarios", nargs="*", default=None, choices=sorted(SCENARIOS))
     ap.add_argument("--replicates", type=int, default=4)
-    ap.add_argument("--cap", type=int, default=40, help="trial cap for the samplers")
+    ap.add_argument("--cap", type=int, default=30, help="trial cap for the samplers")
+    ap.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel processes")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # GPSampler's small fits: threads only spin on 2 shared cores
@@ -225,54 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     seeds = 3 if args.quick else args.seeds
     cap = 15 if args.quick else args.cap
     t0 = time.perf_counter()
-    out: dict[str, dict] = {}
-    for name in names:
-        bench = Bench(name, args.replicates)
-        s0 = time.perf_counter()
-        ok, og = bench.oracle()
-        desc = bench.target.describe()
-        print(
-            f"# {name}: {desc['description']}; hardware {desc['hardware']} from"
-            f" {desc['hardware_source']}; seed B={desc['seed_batch']}, oracle {ok}"
-            f" goodput {og:.2f} rps (oracle {time.perf_counter() - s0:.0f}s)",
-            flush=True,
-        )
-        res: dict[str, dict] = {}
-        for strat in STRATEGIES:
-            scap = len(grid_knobs(bench)) if strat == "grid" else cap
-            trials = []
-            reached = 0
-            for seed in range(seeds):
-                n, hit = run_strategy(bench, strat, seed, scap, og)
-                trials.append(n)
-                reached += hit
-            arr = np.asarray(trials, dtype=float)
-            res[strat] = {
-                "median": float(np.median(arr)),
-                "p90": float(np.percentile(arr, 90)),
-                "reached": reached,
-                "runs": seeds,
-                "cap": scap,
-                "censored": reached < seeds,
-            }
-            print(
-                f"  {strat:12s} median {res[strat]['median']:5.1f}  p90 {res[strat]['p90']:5.1f}"
-                f"  reached {reached}/{seeds} (cap {scap})",
-                flush=True,
-            )
-        sl = res["slotune"]["median"]
-        out[name] = {
-            **{k: v for k, v in desc.items() if k != "description"},
-            "oracle_knobs": ok.as_dict(),
-            "oracle_goodput_rps": round(og, 3),
-            "strategies": res,
-            "ratio_vs_tpe": round(res["tpe"]["median"] / sl, 2),
-            "ratio_vs_grid": round(res["grid"]["median"] / sl, 2),
-            "ratio_vs_gp_unseeded": round(res["gp-unseeded"]["median"] / sl, 2),
-            "sim_windows": bench.sim_windows,
-            "truth_windows": bench.truth_windows,
-            "measurements": bench.lookups,
-        }
+    jobs = max(1, min(args.jobs, len(names)))
+    work = [(n, seeds, cap, args.replicates) for n in names]
+    if jobs == 1:
+        results = [run_scenario(*w) for w in work]
+    else:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            results = pool.starmap(run_scenario, work)
+    out: dict[str, dict] = dict(zip(names, results, strict=True))
     wall = time.perf_counter() - t0
     print()
     hdr = f"{'scenario':12s} {'oracle':>16s} " + " ".join(f"{s:>15s}" for s in STRATEGIES)
@@ -297,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "cap": cap,
         "replicates": args.replicates,
+        "jobs": jobs,
         "worst_median_trials": max(r["strategies"]["slotune"]["median"] for r in out.values()),
         "min_ratio_vs_tpe": min(r["ratio_vs_tpe"] for r in out.values()),
         "min_ratio_vs_grid": min(r["ratio_vs_grid"] for r in out.values()),

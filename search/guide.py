@@ -109,15 +109,22 @@ class Guide:
         return best
 
     def bracket(self, points: Sequence[PointSummary]) -> tuple[int | None, int | None]:
-        """(largest batch measured feasible, smallest batch measured over an SLO)."""
+        """(largest batch measured feasible, smallest batch above it not proven feasible).
+
+        With no feasible point yet, only batches measured *over* an SLO bound it from above
+        (a low batch can be unproven for want of samples, not for being too slow)."""
         feas = [p.knobs.max_batch_size for p in points if p.feasible]
+        top = max(feas) if feas else None
         over = [
             p.knobs.max_batch_size
             for p in points
-            if (not p.tpot_ok and p.tpot_p99_s > self.slo.tpot_p99_s)
+            if (top is not None and not p.feasible and p.knobs.max_batch_size > top)
+            or (not p.tpot_ok and p.tpot_p99_s > self.slo.tpot_p99_s)
             or (not p.ttft_ok and p.ttft_p99_s > self.slo.ttft_p99_s)
         ]
-        return (max(feas) if feas else None), (min(over) if over else None)
+        if top is not None:
+            over = [b for b in over if b > top]
+        return top, (min(over) if over else None)
 
     def target_batch(self, points: Sequence[PointSummary]) -> int | None:
         """The next batch: the models' answer (corrected TPOT under ``aim · SLO``, TTFT

@@ -1,9 +1,10 @@
 """When the tuner may stop: the incumbent is confirmed and nothing nearby beats it.
 
 Measurements are noisy, so the tuner keeps one :class:`PointSummary` per distinct
-knob (all its measurements pooled) and only ever *declares* a point that has
-been measured at least ``confirmations`` times, feasible every time. The rule,
-in order:
+knob (all its measurements pooled) and only ever *declares* a point whose windows
+met the SLO at least ``confirmations`` times and outnumber the windows that did
+not (a majority vote of windows: one unlucky window does not condemn a point, one
+lucky window does not declare it). The rule, in order:
 
 1. ``max_trials`` reached: stop (with or without a feasible point).
 2. No confirmed incumbent: continue.
@@ -32,13 +33,27 @@ class PointSummary:
     knobs: Knobs
     measurements: int
     goodput_rps: float  # mean over measurements
-    feasible: bool  # every measurement feasible
+    feasible: bool  # a strict majority of its windows met the SLO
     ttft_p99_s: float  # worst over measurements (nan when unknown)
     tpot_p99_s: float
     ttft_ok: bool  # every TTFT verdict MET
     tpot_ok: bool
     last_trial: int  # trial number of the latest measurement
     first_trial: int
+    met_windows: int | None = None  # windows that met the SLO (None: all or none, by feasible)
+
+    def __post_init__(self) -> None:
+        if self.met_windows is None:
+            object.__setattr__(self, "met_windows", self.measurements if self.feasible else 0)
+
+    @property
+    def failed_windows(self) -> int:
+        return self.measurements - int(self.met_windows or 0)
+
+    def declared(self, confirmations: int) -> bool:
+        """Met the SLO in at least ``confirmations`` windows, and in most of them."""
+        met = int(self.met_windows or 0)
+        return met >= confirmations and met > self.failed_windows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +89,9 @@ class StopRule:
 
 
 def incumbent(points: Sequence[PointSummary], *, confirmations: int = 1) -> PointSummary | None:
-    """The feasible point with the highest pooled goodput among those measured at least
-    ``confirmations`` times (ties: the earliest measured)."""
-    cands = [p for p in points if p.feasible and p.measurements >= confirmations]
+    """The point with the highest pooled goodput among those declared with ``confirmations``
+    (see :meth:`PointSummary.declared`; ties: the earliest measured)."""
+    cands = [p for p in points if p.feasible and p.declared(confirmations)]
     if not cands:
         return None
     return max(cands, key=lambda p: (p.goodput_rps, -p.first_trial))

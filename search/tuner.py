@@ -9,8 +9,9 @@ proposals come, in order of priority, from:
    roofline corrected by every measurement so far (:mod:`search.guide`): the
    next points bracket the seed and converge on the TPOT boundary; without a
    model, the remaining seed knobs in order;
-3. ``remeasure``: the incumbent (best feasible by pooled measurements) is
-   measured again until it has ``stop_rule.confirmations`` feasible windows;
+3. ``remeasure``: the incumbent (best by pooled measurements) is measured
+   again until it is declared: ``stop_rule.confirmations`` windows met the SLO,
+   and more windows met it than did not (:mod:`search.stop_rule`);
 4. ``sampler``: Optuna's sampler (GPSampler by default; TPE and random for
    comparison) over the log-scaled box, with both latency constraints given
    through ``Trial.set_constraint``.
@@ -187,6 +188,7 @@ class Tuner:
         out = []
         for k, ts in groups.items():
             ua = [t.user_attrs for t in ts]
+            met = sum(1 for a in ua if a.get("feasible", False))
 
             def worst(key: str, ua: list[dict[str, Any]] = ua) -> float:
                 vals = [a.get(key) for a in ua]
@@ -199,7 +201,8 @@ class Tuner:
                     knobs=k,
                     measurements=len(ts),
                     goodput_rps=sum(t.value or 0.0 for t in ts) / len(ts),
-                    feasible=all(a.get("feasible", False) for a in ua),
+                    feasible=2 * met > len(ts),
+                    met_windows=met,
                     ttft_p99_s=worst("ttft_p99_s"),
                     tpot_p99_s=worst("tpot_p99_s"),
                     ttft_ok=all(a.get("ttft_verdict") == Verdict.MET.value for a in ua),
@@ -221,14 +224,22 @@ class Tuner:
     def _next_fixed(self, points: list[PointSummary]) -> tuple[Knobs, str] | None:
         if self.seed_knobs and self._phase_count("seed") == 0:
             return self.seed_knobs[0], "seed"
-        # Re-measure before declaring: a best resting on fewer windows than a declaration
-        # needs is measured again at once when it would raise the declared goodput by more
-        # than `declare_gain` (or nothing is declared yet), else when guidance is over.
+        # Re-measure before declaring: the best point that could still be declared (it met
+        # the SLO in at least as many windows as not) is measured again at once when it
+        # would raise the declared goodput by more than `declare_gain` (or nothing is
+        # declared yet), else when guidance is over.
         rule = self.stop_rule
-        best = incumbent(points)
         declared = incumbent(points, confirmations=rule.confirmations)
-        unconfirmed = best is not None and best.measurements < rule.confirmations
-        if unconfirmed and (
+        open_ = [
+            p
+            for p in points
+            if p.met_windows
+            and 2 * p.met_windows >= p.measurements
+            and not p.declared(rule.confirmations)
+            and p.measurements < 2 * rule.confirmations + 1
+        ]
+        best = max(open_, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
+        if best is not None and (
             declared is None or best.goodput_rps > declared.goodput_rps * (1 + self.declare_gain)
         ):
             return best.knobs, "remeasure"
@@ -242,7 +253,7 @@ class Tuner:
             done = self._phase_count("seed")
             if done < len(self.seed_knobs):
                 return self.seed_knobs[done], "seed"
-        if unconfirmed:
+        if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
             return best.knobs, "remeasure"
         return None
 
@@ -332,8 +343,9 @@ class Tuner:
     # -- results -----------------------------------------------------------------------
 
     def best(self, *, confirmed: bool = True) -> tuple[Knobs, PointSummary] | None:
-        """The incumbent: the feasible knob with the best pooled goodput, measured at least
-        ``stop_rule.confirmations`` times (any number when ``confirmed=False``)."""
+        """The incumbent: the knob with the best pooled goodput among those declared (met the
+        SLO in ``stop_rule.confirmations`` windows and in most of its windows); with
+        ``confirmed=False``, among those that met it in most windows (one suffices)."""
         need = self.stop_rule.confirmations if confirmed else 1
         p = incumbent(self.points(), confirmations=need)
         return (p.knobs, p) if p is not None else None
