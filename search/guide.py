@@ -3,14 +3,19 @@
 The peak roofline predicts TPOT(B) up to an unknown, batch-dependent factor (real
 kernels run at 0.3-0.97 of peak, plus per-step overhead and prefill
 interference). Each measurement gives that factor at one batch,
-``k(B) = measured p99 TPOT / predicted step time``. Between measured batches
-``log k`` is interpolated linearly in ``log B`` (held constant outside), and the
-next batch is the largest one whose corrected prediction ``k(B)·model(B)`` is at
-most ``aim · TPOT SLO`` and whose TTFT, extrapolated log-log from the measured
-points, is at most ``ttft_aim · TTFT SLO``, below any batch measured over either
-SLO. The admission headroom is kept from the seed, its log halved when TTFT was
-violated. Guidance ends when it would propose a
-point already measured: the model has converged and the sampler takes over.
+``k(B) = measured p99 TPOT / predicted step time``; between measured batches
+``log k`` is interpolated linearly in ``log B`` (held constant outside). TTFT is
+extrapolated log-log from the measured points. The models' answer is the largest
+batch with ``k(B)·model(B) <= aim · TPOT SLO`` and TTFT ``<= ttft_aim · TTFT SLO``.
+
+Because the models are crude, the answer is safeguarded like a bracketing root
+finder on [largest batch measured feasible, smallest batch above it not proven
+feasible]: it is clamped to the middle of the bracket (log scale); above a
+feasible point with nothing over the SLO yet it probes at least 25% higher; with
+nothing feasible yet it comes down at most 4x per step. Guidance ends when the
+bracket is narrower than ``resolution``, after ``max_steps``, or when it would
+propose a knob already measured; the tuner then re-measures and samples. The
+admission headroom is kept from the seed, its log halved per TTFT violation.
 Pure: no I/O, no clock.
 """
 
