@@ -173,7 +173,12 @@ class Guide:
             return None
         h = self.headroom(points, seed)
         knobs = self.space.clip(Knobs(max_batch_size=b, max_concurrency=max(b, round(b * h))))
-        if any(p.knobs == knobs for p in points):
+        measured = {p.knobs: p for p in points}
+        if knobs in measured and not measured[knobs].feasible and b > self.space.batch_min:
+            # Pointed back at a batch not proven feasible: step below it instead.
+            b = max(self.space.batch_min, min(b - 1, round(b * 0.85)))
+            knobs = self.space.clip(Knobs(max_batch_size=b, max_concurrency=max(b, round(b * h))))
+        if knobs in measured:
             return None  # the models point at a measured knob: converged
         return knobs
 

@@ -41,6 +41,7 @@ class PointSummary:
     last_trial: int  # trial number of the latest measurement
     first_trial: int
     met_windows: int | None = None  # windows that met the SLO (None: all or none, by feasible)
+    throughput_rps: float = math.nan  # completions/s, mean over measurements (SLO or not)
 
     def __post_init__(self) -> None:
         if self.met_windows is None:

@@ -90,6 +90,11 @@ def make_sampler(
     raise ValueError(f"sampler={name!r}: choose one of {SAMPLERS}")
 
 
+def _mean(xs: Any) -> float:
+    vals = [float(x) for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
 def _num(x: float) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
@@ -203,6 +208,7 @@ class Tuner:
                     goodput_rps=sum(t.value or 0.0 for t in ts) / len(ts),
                     feasible=2 * met > len(ts),
                     met_windows=met,
+                    throughput_rps=_mean(a.get("throughput_rps") for a in ua),
                     ttft_p99_s=worst("ttft_p99_s"),
                     tpot_p99_s=worst("tpot_p99_s"),
                     ttft_ok=all(a.get("ttft_verdict") == Verdict.MET.value for a in ua),
@@ -224,10 +230,11 @@ class Tuner:
     def _next_fixed(self, points: list[PointSummary]) -> tuple[Knobs, str] | None:
         if self.seed_knobs and self._phase_count("seed") == 0:
             return self.seed_knobs[0], "seed"
-        # Re-measure before declaring: the best point that could still be declared (it met
-        # the SLO in at least as many windows as not) is measured again at once when it
-        # would raise the declared goodput by more than `declare_gain` (or nothing is
-        # declared yet), else when guidance is over.
+        # Re-measure before declaring. The best point that could still be declared (it met
+        # the SLO in at least as many windows as not) is measured again at once when little
+        # is left above it: its goodput is within `declare_gain` of the throughput measured
+        # at a larger batch (a ceiling under a saturating load), or there is no guidance.
+        # Otherwise guidance goes on and the re-measurement waits until it is over.
         rule = self.stop_rule
         declared = incumbent(points, confirmations=rule.confirmations)
         open_ = [
@@ -239,10 +246,20 @@ class Tuner:
             and p.measurements < 2 * rule.confirmations + 1
         ]
         best = max(open_, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
-        if best is not None and (
-            declared is None or best.goodput_rps > declared.goodput_rps * (1 + self.declare_gain)
-        ):
-            return best.knobs, "remeasure"
+        if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
+            ceiling = max(
+                (
+                    p.throughput_rps
+                    for p in points
+                    if p.knobs.max_batch_size > best.knobs.max_batch_size
+                    and math.isfinite(p.throughput_rps)
+                ),
+                default=math.nan,
+            )
+            if self._guide is None or (
+                math.isfinite(ceiling) and best.goodput_rps >= (1 - self.declare_gain) * ceiling
+            ):
+                return best.knobs, "remeasure"
         if self._guide is not None:
             if not self.study.user_attrs.get(_GUIDE_DONE):
                 k = self._guide.propose(points, self.seed_knobs[0], self._phase_count("guided"))
