@@ -288,3 +288,43 @@ def test_reporting_an_unproposed_knob_is_recorded_as_external() -> None:
 def test_bad_sampler_is_refused() -> None:
     with pytest.raises(ValueError, match="sampler='cma'"):
         Tuner(space=SPACE, slo=SLO, sampler="cma")
+
+
+def window(*, ok: bool, completed: int, met: int, tpot: float, ttft: float = 0.3) -> Observation:
+    def v(good: bool, est: float, thr: float) -> SloVerdict:
+        return SloVerdict(
+            verdict=Verdict.MET if good else Verdict.VIOLATED,
+            threshold_s=thr,
+            estimate_s=est,
+            samples=completed,
+            confidence=0.95,
+        )
+
+    return Observation(
+        start_s=0.0,
+        end_s=10.0,
+        completed=completed,
+        slo_met=met,
+        ttft=Percentiles(p99=ttft),
+        tpot=Percentiles(p99=tpot),
+        ttft_verdict=v(True, ttft, SLO.ttft_p99_s),
+        tpot_verdict=v(ok, tpot, SLO.tpot_p99_s),
+    )
+
+
+@pytest.mark.parametrize(
+    ("goodput_completed", "expect"),
+    [(980, "remeasure"), (500, "guided")],  # 98 vs 49 req/s under a 100 req/s ceiling
+)
+def test_early_remeasure_only_when_little_is_left_above(
+    goodput_completed: int, expect: str
+) -> None:
+    tuner = make(name=f"e{goodput_completed}")
+    seed = tuner.propose()  # B=70: over the TPOT SLO, 100 req/s completed
+    tuner.report(seed, window(ok=False, completed=1000, met=0, tpot=0.09))
+    k = tuner.propose()
+    assert tuner.trials()[-1].phase == "guided" and k.max_batch_size < 70
+    n = goodput_completed
+    tuner.report(k, window(ok=True, completed=n, met=n, tpot=0.045))
+    tuner.propose()
+    assert tuner.trials()[-1].phase == expect
