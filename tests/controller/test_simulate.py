@@ -115,8 +115,11 @@ def test_tuner_finds_the_oracle_on_a_scenario_it_was_not_tuned_on() -> None:
     t = SimTarget(sc, seed=7)
 
     def truth(k: Knobs) -> tuple[bool, float]:
-        o = t.run(k, seed=12345, denoised=True, window_scale=2.0).observation
-        return o.feasible, o.goodput_rps
+        # True p99s estimated on a long window without measurement noise. (A verdict on
+        # it would be INSUFFICIENT right at the boundary: ~700 samples cannot tell.)
+        o = t.run(k, seed=12345, denoised=True, window_scale=3.0).observation
+        ok = o.ttft.p99 <= t.slo.ttft_p99_s and o.tpot.p99 <= t.slo.tpot_p99_s
+        return ok, o.goodput_rps
 
     best_g, best_b, b = 0.0, 0, 1.0
     while b <= t.space.batch_max:  # coarse-to-fine oracle at headroom 1
