@@ -41,8 +41,8 @@ def simulate_cmd(
         None, "--hardware", help="Override the device (catalogue name or JSON)."
     ),
     tp: int = typer.Option(None, "--tp", help="Override the tensor-parallel degree."),
-    ttft_slo: float = typer.Option(None, "--ttft-slo", help="p99 TTFT SLO, seconds."),
-    tpot_slo: float = typer.Option(None, "--tpot-slo", help="p99 TPOT SLO, seconds."),
+    ttft_slo_ms: float = typer.Option(None, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."),
+    tpot_slo_ms: float = typer.Option(None, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."),
     max_trials: int = typer.Option(20, "--max-trials", help="Trial budget."),
     sampler: str = typer.Option("gp", "--sampler", help=f"One of: {', '.join(SAMPLERS)}."),
     no_seed: bool = typer.Option(False, "--no-seed", help="Search without the roofline seed."),
@@ -66,6 +66,9 @@ def simulate_cmd(
             changes["hardware"] = hardware
         if tp is not None:
             changes["tp"] = tp
+        # Same flags and units as `slotune tune` and `slotune roofline`.
+        ttft_slo = None if ttft_slo_ms is None else ttft_slo_ms / 1000.0
+        tpot_slo = None if tpot_slo_ms is None else tpot_slo_ms / 1000.0
         if ttft_slo is not None or tpot_slo is not None:
             changes["slo"] = Slo(
                 ttft_p99_s=sc.slo.ttft_p99_s if ttft_slo is None else ttft_slo,

@@ -94,7 +94,7 @@ def test_simulate_cli_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFix
 
 def test_simulate_cli_impossible_slo_exits_2(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["simulate", "--scenario", "l4-8b", "--tpot-slo", "0.001"])
+        main(["simulate", "--scenario", "l4-8b", "--slo-tpot-ms", "1"])
     assert e.value.code == 2
     assert "tpot_p99_s=0.001" in capsys.readouterr().err
 
