@@ -375,7 +375,16 @@ def test_contract_metrics_on_rays_export_port(server) -> None:
     while True:
         text = httpx.get(server.metrics_url, timeout=30).text
         done = _samples(text, names.exported(names.REQUESTS_TOTAL), APP)
-        if sum(v for _, v in done) >= 3 or time.monotonic() > deadline:
+        # Counters and histograms reach the export port in separate reports: wait for
+        # all of them (CI once scraped the counter one report before the histograms).
+        tokens = _samples(text, names.exported(names.GENERATED_TOKENS_TOTAL), APP)
+        ready = (
+            sum(v for _, v in done) >= 3
+            and sum(v for _, v in tokens) >= generated
+            and _samples(text, ttft_bucket, APP)
+            and _samples(text, names.exported(names.TPOT_SECONDS) + "_bucket", APP)
+        )
+        if ready or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert sum(v for _, v in done) >= 3
