@@ -68,7 +68,15 @@ def test_scrape_source_reads_rays_export(ray_cluster) -> None:
     obs: Observation | None = None
     while time.monotonic() < deadline:
         obs = src.observe(s0, src.snapshot())
-        if obs.completed >= 600 and obs.ttft_verdict and obs.ttft_verdict.samples >= 600:
+        # Each series reaches the export port in its own report: wait for all of them.
+        if (
+            obs.completed >= 600
+            and obs.generated_tokens >= 3000
+            and obs.ttft_verdict
+            and obs.ttft_verdict.samples >= 600
+            and obs.tpot_verdict
+            and obs.tpot_verdict.samples >= 600
+        ):
             break
         time.sleep(0.5)
     assert obs is not None and not obs.stale, obs and obs.note
