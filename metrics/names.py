@@ -136,3 +136,30 @@ def slo_buckets(
     fine = {t * near_ratio**i for t in extra for i in range(-k, k + 1)}
     bounds = {round(b, 12) for b in coarse | fine if lo <= b <= hi} | set(extra)
     return tuple(sorted(bounds))
+
+
+# Ray's metrics agent keeps the first bucket layout registered under a metric name and
+# silently drops every later histogram of that name with other bounds (measured with
+# Ray 2.60: a second app's TTFT histogram never reached the export port). So every
+# replica in a cluster uses ONE layout, whatever SLO it was deployed with: the default
+# thresholds with the fine grid around them, plus the round SLO values people set,
+# each an exact bound so "requests above the SLO" is exact for them. Any other SLO
+# still lands on a grid <= MAX_BUCKET_RATIO apart and its verdict is bracketed.
+STANDARD_TTFT_SLOS_S = (
+    0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 10.0,
+)  # fmt: skip
+STANDARD_TPOT_SLOS_S = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.08, 0.1, 0.125,
+    0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+)  # fmt: skip
+
+
+def cluster_buckets(default_s: float, standard_s: Iterable[float]) -> tuple[float, ...]:
+    """The one layout a metric uses cluster-wide: fine around ``default_s``, exact at each
+    of ``standard_s``, <= MAX_BUCKET_RATIO apart everywhere."""
+    return tuple(sorted(set(slo_buckets([default_s])) | {float(t) for t in standard_s}))
+
+
+TTFT_BUCKETS = cluster_buckets(DEFAULT_TTFT_SLO_S, STANDARD_TTFT_SLOS_S)
+TPOT_BUCKETS = cluster_buckets(DEFAULT_TPOT_SLO_S, STANDARD_TPOT_SLOS_S)
+QUEUE_WAIT_BUCKETS = TTFT_BUCKETS

@@ -59,21 +59,35 @@ def slo_met(timing: TimingLike, slo: Slo) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class BucketLayout:
-    """Histogram bounds, fixed for the life of a replica (Ray cannot re-bucket).
+    """Histogram bounds: the contract's cluster-wide layout (``metrics.names``).
 
-    They contain the defaults and the SLO the replica started with; a later SLO
-    change through ``reconfigure`` still lands on a grid ≤10% apart.
+    Ray keeps the first layout registered under a name and drops later histograms of
+    that name with other bounds, so the layout must not depend on a replica's SLO. It
+    holds the defaults and the round SLO values exactly and is ≤10% apart elsewhere;
+    :meth:`exact_for` says whether an SLO's verdict is exact or bracketed.
     """
 
-    ttft: tuple[float, ...]
-    tpot: tuple[float, ...]
-    queue_wait: tuple[float, ...]
+    ttft: tuple[float, ...] = names.TTFT_BUCKETS
+    tpot: tuple[float, ...] = names.TPOT_BUCKETS
+    queue_wait: tuple[float, ...] = names.QUEUE_WAIT_BUCKETS
 
     @classmethod
     def for_slo(cls, slo: Slo) -> BucketLayout:
-        ttft = names.slo_buckets({names.DEFAULT_TTFT_SLO_S, slo.ttft_p99_s})
-        tpot = names.slo_buckets({names.DEFAULT_TPOT_SLO_S, slo.tpot_p99_s})
-        return cls(ttft=ttft, tpot=tpot, queue_wait=ttft)
+        layout = cls()
+        if not layout.exact_for(slo):
+            logger.warning(
+                "SLO (TTFT %s s, TPOT %s s) is not a bucket bound of the cluster-wide layout: "
+                "verdicts are bracketed by the neighbouring bounds (round values such as %s s "
+                "and %s s are exact)",
+                slo.ttft_p99_s,
+                slo.tpot_p99_s,
+                names.DEFAULT_TTFT_SLO_S,
+                names.DEFAULT_TPOT_SLO_S,
+            )
+        return layout
+
+    def exact_for(self, slo: Slo) -> bool:
+        return slo.ttft_p99_s in self.ttft and slo.tpot_p99_s in self.tpot
 
 
 class ServeMetrics:

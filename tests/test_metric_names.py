@@ -27,3 +27,14 @@ def test_exported_name() -> None:
     assert names.exported(names.TTFT_SECONDS) == "ray_slotune_ttft_seconds"
     with pytest.raises(ValueError):
         names.exported("foo")
+
+
+def test_cluster_layouts_hold_defaults_and_round_slos_exactly() -> None:
+    for bounds, default, standard in (
+        (names.TTFT_BUCKETS, names.DEFAULT_TTFT_SLO_S, names.STANDARD_TTFT_SLOS_S),
+        (names.TPOT_BUCKETS, names.DEFAULT_TPOT_SLO_S, names.STANDARD_TPOT_SLOS_S),
+    ):
+        assert default in bounds and set(standard) <= set(bounds)
+        assert list(bounds) == sorted(set(bounds))
+        ratios = [hi / lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        assert max(ratios) <= names.MAX_BUCKET_RATIO + 1e-9

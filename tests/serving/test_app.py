@@ -155,7 +155,15 @@ def test_bucket_layout_contains_the_slo_and_defaults() -> None:
     b = BucketLayout.for_slo(SLO)
     assert {0.5, names.DEFAULT_TTFT_SLO_S} <= set(b.ttft)
     assert {0.05, names.DEFAULT_TPOT_SLO_S} <= set(b.tpot)
+    assert b.exact_for(SLO)
     assert max(hi / lo for lo, hi in zip(b.tpot, b.tpot[1:], strict=False)) <= 1.1 + 1e-9
+
+
+def test_bucket_layout_does_not_depend_on_the_slo() -> None:
+    # Ray drops a second histogram of the same name with other bounds: one layout.
+    odd = Slo(ttft_p99_s=0.777, tpot_p99_s=0.0333)
+    assert BucketLayout.for_slo(odd) == BucketLayout.for_slo(SLO)
+    assert not BucketLayout.for_slo(odd).exact_for(odd)
 
 
 def test_serve_metrics_records_the_contract_names() -> None:
