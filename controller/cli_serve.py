@@ -88,31 +88,13 @@ def serve(
     if checkpoint is not None:
         _check(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: not a directory")
 
-    for k, v in (
-        ("RAY_USAGE_STATS_ENABLED", "0"),
-        ("RAY_metrics_report_interval_ms", "1000"),
-        ("OMP_WAIT_POLICY", "PASSIVE"),
-    ):
-        os.environ.setdefault(k, v)
     import ray
     from ray import serve as ray_serve
-    from ray.serve.config import HTTPOptions
-    from ray.serve.schema import LoggingConfig
 
-    from serving.deploy import deploy_app
+    from serving.deploy import deploy_app, start_local_ray
 
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=128 << 20,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-    )
+    start_local_ray(num_cpus=num_cpus, metrics_port=metrics_port, http_port=port, host=LOOPBACK)
     try:
-        ray_serve.start(
-            http_options=HTTPOptions(host=LOOPBACK, port=port),
-            logging_config=LoggingConfig(enable_access_log=False),
-        )
         t0 = time.monotonic()
         deploy_app(
             model=args.model,

@@ -56,36 +56,13 @@ class Setup:
     device: str
 
 
-def _ray_env() -> None:
-    for k, v in {
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_metrics_report_interval_ms": "1000",
-        "OMP_WAIT_POLICY": "PASSIVE",
-    }.items():
-        os.environ.setdefault(k, v)
-
-
 def start_local_ray() -> tuple[int, int]:
     """Ray + Serve on this machine, loopback only; returns (metrics port, HTTP port)."""
-    _ray_env()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-    from ray.serve.schema import LoggingConfig
+    from serving.deploy import start_local_ray as start
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     metrics_port, http_port = _free_port(), _free_port()
-    ray.init(
-        num_cpus=os.cpu_count() or 2,
-        include_dashboard=False,
-        object_store_memory=128 << 20,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-    )
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-        logging_config=LoggingConfig(enable_access_log=False),
-    )
+    start(num_cpus=os.cpu_count() or 2, metrics_port=metrics_port, http_port=http_port)
     return metrics_port, http_port
 
 
@@ -96,7 +73,9 @@ def attach_ray(address: str | None) -> None:
         _check_reachable(address)
     if ray.is_initialized():
         return
-    _ray_env()
+    from serving.deploy import ray_env_defaults
+
+    ray_env_defaults()
     try:
         ray.init(address=address or "auto", log_to_driver=False)
     except Exception as e:  # ConnectionError, RuntimeError... all mean "cannot attach"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,6 +43,54 @@ logger = logging.getLogger(__name__)
 IMPORT_PATH = "serving.app:app"
 DEFAULT_APP_NAME = "slotune"
 POLL_S = 0.1
+
+
+# Process environment for a Ray driver on a small machine (shared/FIELD-NOTES.md):
+# no usage stats, metrics exported every second (the minimum), passive OpenMP waits
+# (spinning torch threads starve the other processes on 2 cores).
+RAY_ENV_DEFAULTS = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_metrics_report_interval_ms": "1000",
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+def ray_env_defaults() -> None:
+    """Set :data:`RAY_ENV_DEFAULTS` where the user has not set them (before ``ray.init``)."""
+    for k, v in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+
+def start_local_ray(
+    *, num_cpus: int, metrics_port: int, http_port: int, host: str = "127.0.0.1"
+) -> None:
+    """Start Ray and Serve in this process, as lean as the machine needs.
+
+    No dashboard, a 128 MiB object store, metrics on ``metrics_port`` (Ray's export
+    port), Serve's HTTP proxy on ``host:http_port`` without access logs. If Serve does
+    not start, Ray is shut down again before the error propagates.
+    """
+    ray_env_defaults()
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import LoggingConfig
+
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
+    try:
+        serve.start(
+            http_options=HTTPOptions(host=host, port=http_port),
+            logging_config=LoggingConfig(enable_access_log=False),
+        )
+    except BaseException:
+        ray.shutdown()
+        raise
 
 
 class DeployError(RuntimeError):
