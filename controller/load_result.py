@@ -1,0 +1,123 @@
+"""What the load generator saw: per-request records, a run's result, the client-side
+Observation of a window (the cross-check of the server's metrics)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from metrics.observation import Observation, Percentiles, Slo
+from metrics.samples import exact_quantile, verdict_from_samples
+
+REJECT_STATUSES = (429, 503)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestRecord:
+    """One request as the client saw it (unix seconds)."""
+
+    sent_s: float
+    done_s: float
+    first_token_s: float | None
+    last_token_s: float | None
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    status: int  # HTTP status; 0 when the transport failed
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error and self.output_tokens > 0
+
+    @property
+    def rejected(self) -> bool:
+        return self.status in REJECT_STATUSES
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.sent_s if self.first_token_s is not None else math.nan
+
+    @property
+    def tpot_s(self) -> float:
+        """(last − first) / (tokens − 1); NaN for a single-token answer."""
+        if self.first_token_s is None or self.last_token_s is None or self.output_tokens < 2:
+            return math.nan
+        return (self.last_token_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadResult:
+    """Everything one run did: the records of finished requests and what was cut off."""
+
+    start_s: float
+    end_s: float
+    records: tuple[RequestRecord, ...]
+    cancelled: int = 0  # in flight at the deadline, cancelled
+    dropped: int = 0  # open loop: arrivals not sent because the in-flight cap was full
+
+    @property
+    def completed(self) -> int:
+        return sum(r.ok for r in self.records)
+
+    @property
+    def rejected(self) -> int:
+        return sum(r.rejected for r in self.records)
+
+    @property
+    def errors(self) -> int:
+        return sum((not r.ok) and not r.rejected for r in self.records)
+
+    @property
+    def status_counts(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for r in self.records:
+            out[r.status] = out.get(r.status, 0) + 1
+        return out
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.records if r.ok)
+
+    def between(self, start_s: float, end_s: float) -> LoadResult:
+        """The requests that finished inside [start_s, end_s] (a measurement window)."""
+        recs = tuple(r for r in self.records if start_s <= r.done_s <= end_s)
+        return LoadResult(start_s=start_s, end_s=end_s, records=recs)
+
+
+def client_observation(result: LoadResult, slo: Slo, *, confidence: float = 0.95) -> Observation:
+    """The load generator's own Observation of a window (the cross-check of the server's).
+
+    TTFT samples: every completed request; TPOT samples: those with ≥ 2 tokens. A request
+    met the SLO when its TTFT and (if it has one) its TPOT are within the thresholds.
+    Percentiles and verdicts come from :mod:`metrics.samples` (exact, from raw samples).
+    """
+    ok = [r for r in result.records if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
+    met = sum(
+        r.ttft_s <= slo.ttft_p99_s and (math.isnan(r.tpot_s) or r.tpot_s <= slo.tpot_p99_s)
+        for r in ok
+    )
+    q = slo.quantile
+
+    def pct(xs: list[float]) -> Percentiles:
+        if not xs:
+            return Percentiles()
+        return Percentiles(
+            p50=exact_quantile(xs, 0.5), p90=exact_quantile(xs, 0.9), p99=exact_quantile(xs, q)
+        )
+
+    return Observation(
+        start_s=result.start_s,
+        end_s=result.end_s,
+        completed=len(ok),
+        slo_met=int(met),
+        rejected=result.rejected,
+        generated_tokens=sum(r.output_tokens for r in ok),
+        ttft=pct(ttft),
+        tpot=pct(tpot),
+        ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
+        tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
+        source="client",
+    )
