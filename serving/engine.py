@@ -3,8 +3,9 @@
 :class:`Engine` is synchronous: ``step()`` is one schedule / execute / update
 round (serving/scheduler.py documents the policy: all prefilled requests decode
 every step, prompts are prefilled in chunks of at most ``prefill_chunk`` tokens
-per step). :class:`AsyncEngine` runs ``Engine.step`` in a background thread and
-streams tokens to asyncio consumers.
+per step). :class:`serving.async_engine.AsyncEngine` runs ``Engine.step`` in a
+background thread and streams tokens to asyncio consumers (``serving.engine.AsyncEngine``
+still resolves to it).
 
 The executor (serving/executor.py) runs the model for a plan.
 
@@ -23,14 +24,13 @@ last token at the end of the step that sampled them.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ from serving.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestTiming", "StepOutput"]
+__all__ = ["Engine", "EngineStats", "RequestTiming", "StepOutput"]
 
 DEFAULT_MAX_LEN = 512
 
@@ -270,136 +270,10 @@ class Engine:
         raise RuntimeError(f"request {rid} did not finish")
 
 
-_DONE = object()
+def __getattr__(name: str) -> Any:
+    """``serving.engine.AsyncEngine`` lives in serving/async_engine.py (imported lazily)."""
+    if name == "AsyncEngine":
+        from serving.async_engine import AsyncEngine
 
-
-class AsyncEngine:
-    """Runs :meth:`Engine.step` in a background thread; safe to use from asyncio.
-
-    ``generate`` yields token ids as they are sampled. When the consumer stops
-    early (``aclose``, cancellation, a dropped client) the request is aborted
-    and its KV slot freed before the next step. ``on_finish(RequestTiming)`` is
-    called from the engine thread for every request that finishes normally
-    (aborted requests are not reported). The finish reason is ``length`` when
-    ``max_tokens`` tokens came back, ``stop`` otherwise.
-    """
-
-    def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
-        self.engine = engine if engine is not None else Engine(**engine_kwargs)
-        self.tokenizer = self.engine.tokenizer
-        self.on_finish: Callable[[RequestTiming], None] | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-
-    def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="slotune-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        for rid in list(self._streams):
-            self._deliver(rid, RuntimeError("the engine stopped"))
-
-    def validate(self, prompt_ids: list[int], max_tokens: object) -> None:
-        self.engine.validate(prompt_ids, max_tokens)
-
-    def set_max_batch_size(self, n: int) -> None:
-        self.engine.set_max_batch_size(n)
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends (without error) and its slot is freed."""
-        self._deliver(request_id, _DONE)
-        self._streams.pop(request_id, None)
-        return self.engine.abort(request_id)
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 0.0,
-        request_id: str | None = None,
-        stop_ids: Sequence[int] = (),
-    ) -> AsyncIterator[int]:
-        rid = request_id if request_id is not None else f"areq-{next(self._ids)}"
-        if self._thread is None or not self._thread.is_alive():
-            raise RuntimeError("AsyncEngine is not running: call start() first")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), queue)
-        done = False
-        try:
-            self.engine.add_request(
-                prompt_ids,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                request_id=rid,
-                stop_ids=stop_ids,
-            )
-            self._wake.set()
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                yield item
-        finally:
-            self._streams.pop(rid, None)
-            if not done:
-                self.engine.abort(rid)
-
-    # ---- the engine thread ---------------------------------------------------------------
-    def _deliver(self, rid: str, item: object) -> None:
-        stream = self._streams.get(rid)
-        if stream is None:
-            return
-        loop, queue = stream
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed
-            self._streams.pop(rid, None)
-            self.engine.abort(rid)
-
-    def _loop(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            if not eng.has_work:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
-                continue
-            try:
-                out = eng.step()
-            except Exception as e:  # a failed step fails its requests, not the engine
-                logger.exception("engine step failed")
-                self._fail_all(e)
-                continue
-            if out.plan.is_empty:  # nothing runnable (cannot happen today): do not spin
-                self._wake.wait(timeout=0.01)
-                self._wake.clear()
-            for rid, tok in out.tokens.items():
-                self._deliver(rid, tok)
-            for f in out.finished:
-                if self.on_finish is not None:  # before the stream ends: metrics first
-                    try:
-                        self.on_finish(f.timing)
-                    except Exception:
-                        logger.exception("on_finish failed for %s", f.request_id)
-                self._deliver(f.request_id, _DONE)
-
-    def _fail_all(self, err: Exception) -> None:
-        for rid in self.engine.abort_all():
-            self._deliver(rid, RuntimeError(f"engine step failed: {err}"))
+        return AsyncEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,9 +8,11 @@ import itertools
 import pytest
 import torch
 
+import serving.engine as engine_mod
 import serving.executor as executor_mod
+from serving.async_engine import AsyncEngine
 from serving.config import ModelConfig
-from serving.engine import AsyncEngine, Engine
+from serving.engine import Engine
 
 TINY32 = ModelConfig.from_name("tiny", dtype="float32")
 
@@ -281,3 +283,55 @@ def test_async_many_streams_with_cancellations_leak_nothing(async_engine) -> Non
     s = aeng.stats()
     assert (s.running, s.waiting, s.kv_usage) == (0, 0, 0.0)
     assert len(finished) == n - len(range(0, n, 3))
+
+
+def test_async_engine_still_importable_from_serving_engine() -> None:
+    assert engine_mod.AsyncEngine is AsyncEngine
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        engine_mod.NoSuchThing  # noqa: B018
+
+
+def test_async_chunks_hand_over_a_backlog_at_once(async_engine) -> None:
+    aeng, finished = async_engine
+    prompt = [3, 1, 4]
+
+    async def main():
+        gen = aeng.generate_chunks(prompt, max_tokens=8)
+        first = await gen.__anext__()  # the request is queued on the first pull
+        while not finished:  # the engine runs on while this consumer is away
+            await asyncio.sleep(0.005)
+        rest = [c async for c in gen]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1  # everything sampled meanwhile came as one chunk
+    assert first + rest[0] == greedy_reference(aeng.engine, prompt, 8)
+    assert finished[0].generated_tokens == 8  # the engine's timings saw every token
+
+
+def test_async_wakes_each_loop_once_per_step_not_once_per_token(async_engine) -> None:
+    aeng, _ = async_engine
+    prompts = [[1, 2, 3], [7, 8], [9, 10, 11]]
+    calls = [0]
+
+    async def collect(p):
+        return [t async for t in aeng.generate(p, max_tokens=10)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(*a, **kw):
+            calls[0] += 1
+            return real(*a, **kw)
+
+        loop.call_soon_threadsafe = counting
+        steps0 = aeng.stats().steps
+        outs = await asyncio.gather(*(collect(p) for p in prompts))
+        return outs, aeng.stats().steps - steps0
+
+    outs, steps = asyncio.run(main())
+    tokens = sum(map(len, outs))
+    assert tokens == 30
+    assert calls[0] <= steps  # one hand-over per step (tokens and stream ends together)
+    assert calls[0] < tokens

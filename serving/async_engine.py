@@ -1,0 +1,237 @@
+"""The asyncio face of the engine: :class:`AsyncEngine` steps it in a thread and streams tokens.
+
+The engine thread runs ``Engine.step`` back to back while there is work. After
+each step it hands every sampled token (and every end of stream) to the
+consumers' event loops with ONE ``call_soon_threadsafe`` per loop, however many
+requests that loop serves: per-token cross-thread wake-ups (a self-pipe write
+each) were a measurable share of a replica's CPU at batch 32. A consumer takes
+everything handed to it so far at once (``generate_chunks``), so one that falls
+behind catches up in one go instead of one event per token.
+
+Server-side latency metrics do not come from here: the scheduler records
+arrival, first and last token times (serving/scheduler.py) and ``on_finish``
+hands them over from the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from serving.engine import Engine, EngineStats, RequestTiming
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine"]
+
+_DONE = object()
+
+
+class _Stream:
+    """One consumer's inbox: items the engine thread handed over, and the waiter.
+
+    Touched only on the consumer's event loop (the engine thread hands items
+    over with one ``call_soon_threadsafe`` per loop per step).
+    """
+
+    __slots__ = ("items", "loop", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[object] = []  # token ids, then _DONE or an exception
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: object) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self) -> list[object]:
+        """Everything handed over so far (waits for at least one item)."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _put_all(batch: list[tuple[str, _Stream, object]]) -> None:
+    for _, stream, item in batch:
+        stream.put(item)
+
+
+class AsyncEngine:
+    """Runs :meth:`Engine.step` in a background thread; safe to use from asyncio.
+
+    ``generate_chunks`` yields, each time its consumer gets to run, every token
+    id sampled for the request since the last yield (one or more: a consumer
+    that falls behind gets them together, nothing is held back); ``generate``
+    yields them one by one. After a step the engine thread wakes each consumer
+    event loop once (one ``call_soon_threadsafe`` for all its requests), not
+    once per token. When the consumer stops early (``aclose``, cancellation, a
+    dropped client) the request is aborted and its KV slot freed before the
+    next step. ``on_finish(RequestTiming)`` is called from the engine thread for
+    every request that finishes normally (aborted requests are not reported),
+    before its stream ends; the timings are the engine's, not the stream's. The
+    finish reason is ``length`` when ``max_tokens`` tokens came back, ``stop``
+    otherwise.
+    """
+
+    def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
+        self.engine = engine if engine is not None else Engine(**engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.on_finish: Callable[[RequestTiming], None] | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="slotune-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._deliver([(rid, RuntimeError("the engine stopped")) for rid in list(self._streams)])
+
+    def validate(self, prompt_ids: list[int], max_tokens: object) -> None:
+        self.engine.validate(prompt_ids, max_tokens)
+
+    def set_max_batch_size(self, n: int) -> None:
+        self.engine.set_max_batch_size(n)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends (without error) and its slot is freed."""
+        self._deliver([(request_id, _DONE)])
+        self._streams.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        request_id: str | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> AsyncIterator[int]:
+        """Token ids one by one (see :meth:`generate_chunks`)."""
+        chunks = self.generate_chunks(
+            prompt_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            request_id=request_id,
+            stop_ids=stop_ids,
+        )
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                for tok in chunk:
+                    yield tok
+
+    async def generate_chunks(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        request_id: str | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> AsyncIterator[list[int]]:
+        """Lists of token ids: all that were sampled since the consumer last ran."""
+        rid = request_id if request_id is not None else f"areq-{next(self._ids)}"
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("AsyncEngine is not running: call start() first")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[rid] = stream
+        done = False
+        try:
+            self.engine.add_request(
+                prompt_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                request_id=rid,
+                stop_ids=stop_ids,
+            )
+            self._wake.set()
+            while not done:
+                tokens: list[int] = []
+                end: object = None
+                for item in await stream.take():
+                    if item is _DONE or isinstance(item, BaseException):
+                        end = item
+                        break
+                    tokens.append(item)  # type: ignore[arg-type]
+                done = end is not None
+                if tokens:
+                    yield tokens
+                if isinstance(end, BaseException):
+                    raise end
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                self.engine.abort(rid)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Hand items to their streams: one ``call_soon_threadsafe`` per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, _Stream, object]]] = {}
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((rid, stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumers' loop is closed
+                for rid, _, _ in batch:
+                    self._streams.pop(rid, None)
+                    self.engine.abort(rid)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            if not eng.has_work:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                out = eng.step()
+            except Exception as e:  # a failed step fails its requests, not the engine
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            if out.plan.is_empty:  # nothing runnable (cannot happen today): do not spin
+                self._wake.wait(timeout=0.01)
+                self._wake.clear()
+            items: list[tuple[str, object]] = list(out.tokens.items())
+            for f in out.finished:
+                if self.on_finish is not None:  # before the stream ends: metrics first
+                    try:
+                        self.on_finish(f.timing)
+                    except Exception:
+                        logger.exception("on_finish failed for %s", f.request_id)
+                items.append((f.request_id, _DONE))
+            self._deliver(items)
+
+    def _fail_all(self, err: Exception) -> None:
+        ids = self.engine.abort_all()
+        self._deliver([(rid, RuntimeError(f"engine step failed: {err}")) for rid in ids])
