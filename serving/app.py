@@ -171,8 +171,8 @@ class CompletionServer:
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its pool
+        from serving.async_engine import AsyncEngine
         from serving.config import ModelConfig
-        from serving.engine import AsyncEngine
 
         self.args = ServerArgs.from_args(args)
         self.live = LiveConfig(max_batch_size=min(8, self.args.max_slots))
@@ -334,7 +334,8 @@ class CompletionServer:
         return await self._complete(req, prompt_ids, cid)
 
     def _generate(self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str):
-        return self.engine.generate(
+        """Lists of token ids: everything sampled since the handler last ran."""
+        return self.engine.generate_chunks(
             prompt_ids,
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -348,9 +349,9 @@ class CompletionServer:
         ids: list[int] = []
         # aclosing: a cancelled request (client gone) aborts the engine request
         # and frees its KV slot at once.
-        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as tokens:
-            async for tok in tokens:
-                ids.append(tok)
+        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as chunks:
+            async for chunk in chunks:
+                ids += chunk
         body = oa.completion_body(
             completion_id=cid,
             model=self.args.served_name,
@@ -366,10 +367,10 @@ class CompletionServer:
     ) -> AsyncIterator[bytes]:
         # aclosing: a cancelled request (client gone) aborts the engine request
         # and frees its KV slot at once.
-        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as tokens:
+        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as chunks:
             try:
-                async for chunk in oa.sse_completion_stream(
-                    tokens,
+                async for event in oa.sse_completion_stream(
+                    chunks,
                     decode=self.tokenizer.decode,
                     completion_id=cid,
                     model=self.args.served_name,
@@ -378,7 +379,7 @@ class CompletionServer:
                     include_usage=req.include_usage,
                     interval_s=self.args.stream_interval_s,
                 ):
-                    yield chunk
+                    yield event
             except asyncio.CancelledError:
                 logger.info("request %s cancelled (client gone)", cid)
                 raise

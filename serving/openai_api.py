@@ -251,30 +251,81 @@ class IncrementalDecoder:
 
     A byte-level tokenizer can end a step in the middle of a UTF-8 sequence; the
     decoded tail is then U+FFFD, so the delta is held back until it completes.
+    Each push decodes only a short window (the ids since the text last came out
+    clean, plus the ones before them for context, as vLLM's incremental
+    detokenizer does), so a long output costs O(1) per token, not O(length).
     """
 
     decode: Callable[[Sequence[int]], str]
     ids: list[int] = field(default_factory=list)
-    emitted: int = 0  # characters of the decoded text already returned
+    prefix: int = 0  # window start: ids before it are out and do not change the text
+    read: int = 0  # ids before it are out (as text)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[self.emitted :]
-        self.emitted = len(text)
-        return delta
+        return self._delta(final=False)
+
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        return self._delta(final=False)
 
     def flush(self) -> str:
-        text = self.decode(self.ids)
-        delta = text[self.emitted :]
-        self.emitted = len(text)
-        return delta
+        """Whatever is held back (an incomplete character comes out as U+FFFD)."""
+        return self._delta(final=True)
+
+    def _delta(self, *, final: bool) -> str:
+        if self.read == len(self.ids):
+            return ""
+        done = self.decode(self.ids[self.prefix : self.read])
+        text = self.decode(self.ids[self.prefix :])
+        if not final and text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done) :]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkEncoder:
+    """SSE events of one streamed completion, byte for byte what :func:`sse_event` of
+    :func:`completion_body` gives, with only the text JSON-encoded per event."""
+
+    completion_id: str
+    model: str
+    created: int
+    _head: bytes = field(init=False, repr=False)
+    _tail: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        marker = "\x00"  # the text is the last string of the body: split at its JSON
+        body = completion_body(
+            completion_id=self.completion_id,
+            model=self.model,
+            text=marker,
+            finish=None,
+            created=self.created,
+        )
+        head, tail = sse_event(body).decode().rsplit(json.dumps(marker), 1)
+        object.__setattr__(self, "_head", head.encode())
+        object.__setattr__(self, "_tail", tail.encode())
+
+    def text(self, text: str) -> bytes:
+        """One chunk carrying ``text`` with no finish reason."""
+        return self._head + json.dumps(text).encode() + self._tail
+
+    def final(self, text: str, finish: str) -> bytes:
+        return sse_event(
+            completion_body(
+                completion_id=self.completion_id,
+                model=self.model,
+                text=text,
+                finish=finish,
+                created=self.created,
+            )
+        )
 
 
 async def sse_completion_stream(
-    tokens: AsyncIterator[int],
+    chunks: AsyncIterator[Sequence[int]],
     *,
     decode: Callable[[Sequence[int]], str],
     completion_id: str,
@@ -285,50 +336,36 @@ async def sse_completion_stream(
     interval_s: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed completion, from the engine's token stream.
+    """The SSE body of a streamed completion, from the engine's token chunks.
 
-    The first text goes out at once; after it, text is sent when ``interval_s``
-    has passed since the last event (a token arriving later than that goes out
-    at once, so a step slower than the interval is never delayed). Coalescing
-    bounds the per-event cost of the transport at small step times. The end is
-    one write: the last text with its finish reason, the usage chunk if asked
-    for, and ``[DONE]``.
+    ``chunks`` yields lists of token ids, each everything the engine had sampled
+    for the request when the handler got to run (``AsyncEngine.generate_chunks``):
+    all of them go out in one event, so a handler that falls behind catches up
+    with one event instead of one per token. The first text goes out at once;
+    after it, text is sent when ``interval_s`` has passed since the last event
+    (a chunk arriving later than that goes out at once, so a step slower than the
+    interval is never delayed). The end is one write: the last text with its
+    finish reason, the usage chunk if asked for, and ``[DONE]``.
     """
-    created = int(time.time())
+    enc = ChunkEncoder(completion_id=completion_id, model=model, created=int(time.time()))
     decoder = IncrementalDecoder(decode=decode)
     n = 0
     pending = ""
     sent_any = False
     last = clock()
-    async for tok in tokens:
-        n += 1
-        pending += decoder.push(tok)
+    async for chunk in chunks:
+        n += len(chunk)
+        pending += decoder.push_many(chunk)
         if pending and (not sent_any or clock() - last >= interval_s):
-            yield sse_event(
-                completion_body(
-                    completion_id=completion_id,
-                    model=model,
-                    text=pending,
-                    finish=None,
-                    created=created,
-                )
-            )
+            yield enc.text(pending)
             pending, sent_any, last = "", True, clock()
-    tail = sse_event(
-        completion_body(
-            completion_id=completion_id,
-            model=model,
-            text=pending + decoder.flush(),
-            finish=finish_reason(n, max_tokens),
-            created=created,
-        )
-    )
+    tail = enc.final(pending + decoder.flush(), finish_reason(n, max_tokens))
     if include_usage:
         tail += sse_event(
             usage_chunk(
                 completion_id=completion_id,
                 model=model,
-                created=created,
+                created=enc.created,
                 usage_=usage(prompt_tokens, n),
             )
         )

@@ -106,6 +106,38 @@ def test_incremental_decoder_never_splits_a_character() -> None:
     assert "".join(deltas) + dec.flush() == text
     assert all("\ufffd" not in d for d in deltas)
     assert deltas[1] == "" and deltas[2] == "ñ"  # held back until the 2-byte char completes
+    many = oa.IncrementalDecoder(decode=decode)
+    assert many.push_many(data[:3]) == "añ" and many.push_many(data[3:5]) == ""
+    assert many.push_many(data[5:]) + many.flush() == "€😀z"
+    cut = oa.IncrementalDecoder(decode=decode)
+    assert cut.push_many("é".encode()[:1]) == "" and cut.flush() == "\ufffd"
+
+
+def test_incremental_decoder_decodes_a_short_window_per_token() -> None:
+    seen: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        seen.append(len(ids))
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    dec = oa.IncrementalDecoder(decode=decode)
+    text = "ab€" * 200
+    out = "".join(dec.push(b) for b in text.encode()) + dec.flush()
+    assert out == text
+    assert max(seen) <= 4  # the window, not the whole output (1,000 bytes)
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quote " back \\ slash', "añ€😀\n\t", "\x00"])
+def test_chunk_encoder_matches_the_generic_json_byte_for_byte(text: str) -> None:
+    enc = oa.ChunkEncoder(completion_id='cmpl-"q', model="slotune-tiny", created=7)
+    generic = oa.completion_body(
+        completion_id='cmpl-"q', model="slotune-tiny", text=text, finish=None, created=7
+    )
+    assert enc.text(text) == oa.sse_event(generic)
+    final = oa.completion_body(
+        completion_id='cmpl-"q', model="slotune-tiny", text=text, finish="stop", created=7
+    )
+    assert enc.final(text, "stop") == oa.sse_event(final)
 
 
 # -- metric emission ---------------------------------------------------------------
@@ -415,22 +447,24 @@ def test_contract_metrics_on_rays_export_port(server) -> None:
     assert mbs[1] == 8
 
 
-def _run_stream(steps: list[tuple[int, float]], **kw: object) -> tuple[list, list[bytes]]:
-    """Drive sse_completion_stream with (token, clock-at-arrival) pairs."""
+def _run_stream(
+    steps: list[tuple[int | list[int], float]], **kw: object
+) -> tuple[list, list[bytes]]:
+    """Drive sse_completion_stream with (token or chunk of tokens, clock-at-arrival) pairs."""
     import asyncio
 
     now = [0.0]
 
-    async def tokens():
+    async def chunks():
         for tok, t in steps:
             now[0] = t
-            yield tok
+            yield [tok] if isinstance(tok, int) else tok
 
     async def collect() -> list[bytes]:
         return [
             c
             async for c in oa.sse_completion_stream(
-                tokens(),
+                chunks(),
                 decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"),
                 completion_id="cmpl-x",
                 model=MODEL,
@@ -439,9 +473,9 @@ def _run_stream(steps: list[tuple[int, float]], **kw: object) -> tuple[list, lis
             )
         ]
 
-    chunks = asyncio.run(collect())
-    lines = b"".join(chunks).decode().split("\n\n")
-    return [s[6:] if s == "data: [DONE]" else json.loads(s[6:]) for s in lines if s], chunks
+    chunks_out = asyncio.run(collect())
+    lines = b"".join(chunks_out).decode().split("\n\n")
+    return [s[6:] if s == "data: [DONE]" else json.loads(s[6:]) for s in lines if s], chunks_out
 
 
 def test_sse_stream_sends_first_token_at_once_and_coalesces_after() -> None:
@@ -465,3 +499,17 @@ def test_sse_stream_with_no_interval_sends_every_token() -> None:
     texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict)]
     assert texts == ["x", "y", "z", ""]
     assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+
+
+def test_sse_stream_sends_a_ready_chunk_as_one_event_and_counts_every_token() -> None:
+    # A handler that fell behind gets several tokens at once: one event, none lost,
+    # the first one still alone and at once.
+    steps = [(ord("a"), 0.0), (list(b"bcd"), 0.5), (list(b"ef"), 1.0)]
+    events, chunks = _run_stream(
+        steps, max_tokens=6, prompt_tokens=2, include_usage=True, interval_s=0.0
+    )
+    texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"]]
+    assert texts == ["a", "bcd", "ef", ""]
+    assert len(chunks) == 4
+    assert events[-2]["usage"]["completion_tokens"] == 6
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
