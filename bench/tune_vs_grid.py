@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller import cli_tune  # noqa: E402
+from controller import cli_tune, tune_setup  # noqa: E402
 from controller.loadgen import LengthDist  # noqa: E402
 from controller.report import CurveReport, TrialRecord  # noqa: E402
 from controller.targets import RayServeTarget, RequestShape, WindowPlan  # noqa: E402
@@ -72,7 +72,8 @@ def main() -> None:
 
         if torch.cuda.is_available():
             device = "cuda"
-        hw, hw_note = cli_tune.hardware_spec(device, quiet=False)
+        threads = tune_setup.embedded_threads()  # the replica's torch threads: calibrate at them
+        hw, hw_note = cli_tune.hardware_spec(device, quiet=False, threads=threads)
         searched = cli_tune.plan_search(
             model=args.model,
             hardware=hw,
@@ -93,7 +94,7 @@ def main() -> None:
             max_queued_requests=-1,
             name="slotune",
             device=device,
-            torch_threads=max(1, min(4, (os.cpu_count() or 2) - 1)),
+            torch_threads=threads,
         )
         reader, _ = cli_tune.make_reader(
             slo=slo,
@@ -170,7 +171,7 @@ def main() -> None:
                 duel["pick"].append(measure(pick, 100 + 2 * r))
                 duel["best"].append(measure(best_k, 101 + 2 * r))
     finally:
-        cli_tune._shutdown_local()
+        cli_tune.shutdown_local()
 
     print(f"setup (Ray, deploy, calibration: {hw_note}): {setup_s:.0f} s")
     print("\nslotune tune trials")

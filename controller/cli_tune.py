@@ -2,39 +2,59 @@
 
 ``slotune tune`` with no arguments starts a local Ray, deploys the built-in
 ``small`` model on the local device (CUDA if there is one, else CPU), calibrates
-the device (cached), and tunes. ``--address`` attaches to a running Ray cluster
-(and deploys the built-in model there); ``--app`` attaches to an existing
-deployment of ``serving.app:app`` instead. Exit codes: 0 a feasible point was
-found, 3 none meets the SLO, 2 bad input, 1 the run was stopped by a fault, 130
-Ctrl-C; in every case the report of what was measured is written.
+the device at the replica's torch thread count (cached), and tunes. ``--address``
+attaches to a running Ray cluster (and deploys the built-in model there); ``--app``
+attaches to an existing deployment of ``serving.app:app`` instead. Exit codes: 0 a
+feasible point was found, 3 none meets the SLO, 2 bad input, 1 the run was stopped by
+a fault, 130 Ctrl-C; in every case the report of what was measured is written.
+
+Setting up lives in :mod:`controller.tune_setup`, the calibration and the roofline's
+plan in :mod:`controller.tune_plan`, the loop in :mod:`controller.tune`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from controller.cost import catalog_price, cost_sentence
 from controller.errors import BadInput, NoFeasiblePoint
+from controller.tune_plan import DEFAULT_SLOTS, MODELS, hardware_spec, plan_search
+from controller.tune_setup import (
+    Setup,
+    SetupFailed,
+    local_device,
+    make_reader,
+    prepare,
+    serve_url,
+    shutdown_local,
+    start_local_ray,
+)
 
 log = logging.getLogger(__name__)
 
-MODELS = {"tiny": "slotune-tiny", "small": "slotune-small"}  # serving preset → roofline model
-DEFAULT_SLOTS = {"tiny": 64, "small": 128}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Importable from here as before (bench/tune_vs_grid.py, tests).
+__all__ = [
+    "DEFAULT_SLOTS",
+    "MODELS",
+    "export",
+    "hardware_spec",
+    "make_reader",
+    "plan_search",
+    "register",
+    "serve_url",
+    "shutdown_local",
+    "start_local_ray",
+    "tune",
+]
+_shutdown_local = shutdown_local  # the old name
 
 
 def _positive(flag: str, v: float | None, *, allow_none: bool = False) -> None:
@@ -42,184 +62,6 @@ def _positive(flag: str, v: float | None, *, allow_none: bool = False) -> None:
         return
     if v is None or not (math.isfinite(v) and v > 0):
         raise BadInput(f"{flag} {v!r}: must be a positive number")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Setup:
-    """Where the deployment is and how to read it (what the run attached to or started)."""
-
-    app: str
-    url: str  # HTTP base of the app
-    reader: Any
-    reader_desc: str
-    started_ray: bool
-    device: str
-
-
-def start_local_ray() -> tuple[int, int]:
-    """Ray + Serve on this machine, loopback only; returns (metrics port, HTTP port)."""
-    from serving.deploy import start_local_ray as start
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    metrics_port, http_port = _free_port(), _free_port()
-    start(num_cpus=os.cpu_count() or 2, metrics_port=metrics_port, http_port=http_port)
-    return metrics_port, http_port
-
-
-def attach_ray(address: str | None) -> None:
-    import ray
-
-    if address and address != "auto":
-        _check_reachable(address)
-    if ray.is_initialized():
-        return
-    from serving.deploy import ray_env_defaults
-
-    ray_env_defaults()
-    try:
-        ray.init(address=address or "auto", log_to_driver=False)
-    except Exception as e:  # ConnectionError, RuntimeError... all mean "cannot attach"
-        raise BadInput(
-            f"--address {address or 'auto'}: cannot connect to a Ray cluster ({e}); "
-            "start one with `ray start --head` or omit --address to run locally"
-        ) from None
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast on a Ray address nobody listens on (ray.init would retry for minutes)."""
-    hostport = address.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise BadInput(f"--address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
-    try:
-        socket.create_connection((host, int(port)), timeout=3.0).close()
-    except OSError as e:
-        raise BadInput(
-            f"--address {address}: nothing answers there ({e.strerror or e}); "
-            "start a cluster with `ray start --head` or omit --address to run locally"
-        ) from None
-
-
-def serve_url(app: str) -> str:
-    """http://host:port/prefix of ``app`` from Serve's own details."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        raise BadInput("no Ray Serve instance runs on this cluster: nothing to tune")
-    details = client.get_serve_details()
-    apps = details.get("applications", {})
-    if app not in apps:
-        raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
-    http = details.get("http_options") or {}
-    host = http.get("host") or "127.0.0.1"
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    prefix = apps[app].get("route_prefix") or "/"
-    return f"http://{host}:{http.get('port', 8000)}{prefix.rstrip('/')}"
-
-
-def check_deployment(app: str, deployment: str | None) -> None:
-    from ray import serve
-
-    from serving.app import DEPLOYMENT_NAME
-
-    apps = serve.status().applications
-    if app not in apps:
-        raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
-    deps = apps[app].deployments
-    name = deployment or DEPLOYMENT_NAME
-    if name not in deps:
-        raise BadInput(f"--deployment {name}: not in app {app!r} (it has {sorted(deps)})")
-    if name != DEPLOYMENT_NAME:
-        raise BadInput(
-            f"--deployment {name}: slotune turns the batch limit of serving.app:app "
-            f"deployments ({DEPLOYMENT_NAME}) live; this one has no such knob"
-        )
-
-
-def ray_metrics_url() -> str:
-    """The metrics export endpoint of the (single) node of the attached cluster."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) != 1:
-        raise BadInput(
-            f"the cluster has {len(nodes)} nodes: give --metrics-url of the replica's node "
-            "or --prometheus-url of a Prometheus that scrapes them all"
-        )
-    n = nodes[0]
-    return f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-
-
-def make_reader(
-    *, slo: Any, app: str, metrics_url: str | None, prometheus_url: str | None, prefix: str
-) -> tuple[Any, str]:
-    from controller.targets import PromQLWindow, ScrapeWindow
-    from metrics.sources import PromQLSource, ScrapeSource
-
-    sel = {"application": app}
-    try:
-        if prometheus_url:
-            src = PromQLSource(prometheus_url, slo=slo, prefix=prefix, selector=sel)
-            return PromQLWindow(src), f"Prometheus {prometheus_url}"
-        url = metrics_url or ray_metrics_url()
-        src = ScrapeSource(url, slo=slo, prefix=prefix, selector=sel)
-        return ScrapeWindow(src), f"scrape {url}"
-    except ValueError as e:
-        raise BadInput(f"metrics source: {e}") from None
-
-
-def hardware_spec(device: str, *, quiet: bool) -> tuple[Any, str]:
-    """The calibrated HardwareSpec of this device, measured once and cached."""
-    from search import calibrate as calib
-    from search.hardware import HardwareSpec
-
-    dev = calib.pick_device(device)
-    path = calib.default_cache_path(dev)
-    if path.exists():
-        return HardwareSpec.from_json(path), f"calibration cached at {path}"
-    if not quiet:
-        print(f"slotune: calibrating {dev} once (cached at {path}) ...", file=sys.stderr)
-    cal = calib.calibrate(device=device, plan=calib.PLANS["full"])
-    cal.spec.to_json(path, extra=cal.measured)
-    return cal.spec, f"calibrated now ({cal.elapsed_s:.0f} s), cached at {path}"
-
-
-def plan_search(
-    *, model: str, hardware: Any, slo: Any, price: float | None, max_slots: int, context: int
-) -> dict[str, Any]:
-    """The roofline's prediction, the search box it bounds and the seed knobs."""
-    from controller.report import PredictedPoint
-    from search.models import resolve_model
-    from search.roofline import Roofline, analyze
-    from search.space import Knobs, SearchSpace
-
-    roof = Roofline(
-        model=resolve_model(MODELS[model]), hardware=hardware, dtype="bf16", context=context
-    )
-    cap = max(1, min(max_slots, roof.max_batch_memory))
-    a = analyze(roof, slo_tpot_s=slo.tpot_p99_s, max_batch=cap, usd_per_hour=price)
-    try:
-        space = SearchSpace.bounded(
-            step_time_s=roof.step_time_s, max_batch_memory=cap, slo=slo, headroom_max=2.0
-        )
-    except ValueError as e:
-        raise NoFeasiblePoint(f"the roofline rules out every batch: {e}") from None
-    b = a.operating_point.batch if a.operating_point is not None else 1
-    seeds = [space.clip(Knobs(max_batch_size=b, max_concurrency=b))]
-    for f in (0.5, 1.5):
-        bb = max(1, round(b * f))
-        k = space.clip(Knobs(max_batch_size=bb, max_concurrency=bb))
-        if k not in seeds:
-            seeds.append(k)
-    return {
-        "roofline": roof,
-        "analysis": a,
-        "space": space,
-        "seeds": seeds,
-        "predicted": tuple(PredictedPoint.of(p) for p in a.curve),
-        "seed_batch": b,
-    }
 
 
 def tune(
@@ -291,6 +133,7 @@ def tune(
         out_dir.mkdir(parents=True, exist_ok=True)
         storage = str(out_dir / "study.journal")
     slots = max_slots or DEFAULT_SLOTS[model]
+    price_per_hour, price_source = _price(price_per_hour, embedded=address is None and not app_name)
     started = time.monotonic()
     setup = None
     try:
@@ -350,6 +193,7 @@ def tune(
                 f" s, aiming at {plan.min_requests} requests",
                 "load": f"closed loop at each trial's max_concurrency; prompt {prompt_tokens}, "
                 f"output {output_tokens} tokens",
+                "price": price_source,
                 "setup_s": round(time.monotonic() - started, 1),
             },
         )
@@ -359,17 +203,27 @@ def tune(
         )
     finally:
         if setup is not None and setup.started_ray:
-            _shutdown_local()
+            shutdown_local()
     _finish(outcome, out_dir, quiet)
 
 
-class SetupFailed(RuntimeError):
-    """Starting, attaching or deploying failed (exit 1 with the reason)."""
+def _price(given: float | None, *, embedded: bool) -> tuple[float | None, str]:
+    """The device price and where it came from: the flag; else, for the built-in
+    deployment on a catalogued GPU, the catalog's indicative rate; else none."""
+    if given is not None:
+        return given, "--price-per-hour"
+    if embedded and local_device() == "cuda":
+        import torch
+
+        found = catalog_price(torch.cuda.get_device_name())
+        if found is not None:
+            return found
+    return None, "not given"
 
 
 def _prepare_or_exit(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
     try:
-        return _prepare(**kw)
+        return prepare(**kw)
     except SetupFailed as e:
         typer.echo(f"slotune: error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -378,102 +232,20 @@ def _prepare_or_exit(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
         raise typer.Exit(130) from None
 
 
-def _prepare(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
-    """Start or attach, deploy if needed, calibrate, and plan the search."""
-    from serving.deploy import DeployError, deploy_app
-
-    app = kw["app_name"]
-    slo = kw["slo"]
-    context = round(kw["shape"].prompt_tokens.mean + kw["shape"].output_tokens.mean / 2)
-    device = "cpu"
-    try:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:  # torch is a dependency; be explicit anyway
-        pass
-    started = False
-    if kw["address"] is None and app is None:
-        if not kw["quiet"]:
-            print("slotune: starting a local Ray and Serve (127.0.0.1) ...", file=sys.stderr)
-        metrics_port, _ = start_local_ray()
-        started = True
-        metrics_url = kw["metrics_url"] or f"http://127.0.0.1:{metrics_port}/metrics"
-    else:
-        attach_ray(kw["address"])
-        metrics_url = kw["metrics_url"]
-    hw, hw_note = hardware_spec(device, quiet=kw["quiet"])
-    searched = plan_search(
-        model=kw["model"],
-        hardware=hw,
-        slo=slo,
-        price=kw["price"],
-        max_slots=kw["slots"],
-        context=context,
-    )
-    if app is None:
-        app = "slotune"
-        first = searched["seeds"][0]
-        if not kw["quiet"]:
-            print(
-                f"slotune: deploying the built-in {kw['model']!r} model on {device} ...",
-                file=sys.stderr,
-            )
-        try:
-            deploy_app(
-                model=kw["model"],
-                max_batch_size=first.max_batch_size,
-                max_ongoing_requests=first.max_concurrency,
-                slo=slo,
-                max_slots=kw["slots"],
-                max_queued_requests=-1,
-                name=app,
-                device=device,
-                torch_threads=max(1, min(4, (os.cpu_count() or 2) - 1)),
-            )
-        except (DeployError, ValueError) as e:
-            raise SetupFailed(f"deploying the built-in model failed: {e}") from e
-    else:
-        check_deployment(app, kw["deployment"])
-    reader, desc = make_reader(
-        slo=slo,
-        app=app,
-        metrics_url=metrics_url,
-        prometheus_url=kw["prometheus_url"],
-        prefix=kw["prefix"],
-    )
-    setup = Setup(
-        app=app,
-        url=kw["url"] or serve_url(app),
-        reader=reader,
-        reader_desc=desc,
-        started_ray=started,
-        device=device,
-    )
-    return setup, hw, hw_note, searched
-
-
-def _shutdown_local() -> None:
-    import ray
-    from ray import serve
-
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-
-
 def _finish(outcome: Any, out_dir: Path, quiet: bool) -> None:
     op = outcome.report.operating_point()
     lines = [f"report: {out_dir / 'report.html'}", f"stopped: {outcome.stop_reason}"]
     if op is not None:
-        cost = op["usd_per_million_tokens"]
         lines.append(
             f"operating point: max_batch_size={op['max_batch_size']} "
             f"max_concurrency={op['max_concurrency']}: {op['goodput_rps']:.2f} req/s within "
             f"SLO, {op['tokens_per_s']:.0f} tokens/s, p99 TTFT {op['p99_ttft_ms']:.0f} ms, "
             f"p99 TPOT {op['p99_tpot_ms']:.1f} ms"
-            + (f", ${cost:.3g} per million tokens" if cost == cost else "")
+        )
+        rep = outcome.report
+        lines.append(
+            "cost: "
+            + cost_sentence(rep.usd_per_hour, op["tokens_per_s"], str(rep.meta.get("price", "")))
         )
     lines.append(outcome.final_note)
     for line in lines:  # the result, even with --quiet (which silences only the progress)
@@ -497,6 +269,9 @@ def export(
     study: str = typer.Argument(..., help="Study storage: a journal file or an Optuna URL."),
     study_name: str = typer.Option(None, "--study", help="Study name (if it holds several)."),
     out: Path = typer.Option(None, "--out", help="Default: the storage file's folder."),
+    price_per_hour: float = typer.Option(
+        None, "--price-per-hour", help="USD per device-hour (default: the one tune used)."
+    ),
 ) -> None:
     """Rebuild curve.csv, curve.json, curve.png and report.html from a stored study."""
     from controller.report import write_report
@@ -508,6 +283,11 @@ def export(
         report = report_from_study(study, study_name)
     except (ValueError, KeyError) as e:
         raise BadInput(str(e)) from None
+    if price_per_hour is not None:
+        if not (math.isfinite(price_per_hour) and price_per_hour >= 0):
+            raise BadInput(f"--price-per-hour {price_per_hour!r}: must be a number >= 0")
+        meta = {**report.meta, "price": "--price-per-hour (given to export)"}
+        report = replace(report, usd_per_hour=price_per_hour, meta=meta)
     out_dir = out or (Path(study).parent if "://" not in study else Path("slotune-out/export"))
     paths = write_report(report, out_dir)
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")

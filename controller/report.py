@@ -19,7 +19,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from controller.cost import usd_per_million_tokens
 from metrics.observation import Observation, Slo, Verdict
+
+__all__ = ["CurveReport", "PredictedPoint", "TrialRecord", "usd_per_million_tokens", "write_report"]
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,6 @@ def _ms(seconds: float) -> float:
 
 def _num(x: Any) -> float:
     return math.nan if x is None else float(x)
-
-
-def usd_per_million_tokens(usd_per_hour: float | None, tokens_per_s: float) -> float:
-    """Cost of a million output tokens at a device price: $/h ÷ (tokens/s · 3600) · 1e6."""
-    if usd_per_hour is None or not (tokens_per_s > 0) or not math.isfinite(tokens_per_s):
-        return math.nan
-    return usd_per_hour / (tokens_per_s * 3600.0) * 1e6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +235,8 @@ class CurveReport:
             "p99_ttft_ms": c.p99_ttft_ms,
             "p99_tpot_ms": c.p99_tpot_ms,
             "usd_per_million_tokens": usd_per_million_tokens(self.usd_per_hour, c.tokens_per_s),
+            # what each $1/h of device price costs per million tokens (scale by your price)
+            "usd_per_million_tokens_per_usd_hour": usd_per_million_tokens(1.0, c.tokens_per_s),
             "verdict": c.verdict,
             "trial": c.number,
             "ttft_samples": c.ttft_samples,

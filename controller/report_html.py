@@ -181,7 +181,7 @@ def _f(x: Any, fmt: str = ".1f", none: str = "–") -> str:
 
 def explain(report: CurveReport) -> list[str]:
     """The recommendation and why, in plain sentences."""
-    from controller.report import usd_per_million_tokens
+    from controller.cost import cost_sentence
 
     slo = report.slo
     lines: list[str] = []
@@ -221,15 +221,15 @@ def explain(report: CurveReport) -> list[str]:
         if report.sample_hint():
             lines.append(report.sample_hint())
         return lines
-    cost = usd_per_million_tokens(report.usd_per_hour, c.tokens_per_s)
     rec = (
         f"Recommended: max_batch_size={c.max_batch_size}, max_concurrency={c.max_concurrency}. "
         f"It served {c.goodput_rps:.2f} requests/s within both SLOs and {c.tokens_per_s:.0f} "
         f"output tokens/s, with p99 TTFT {_f(c.p99_ttft_ms)} ms (n={c.ttft_samples}) and "
         f"p99 TPOT {_f(c.p99_tpot_ms)} ms (n={c.tpot_samples})."
     )
-    if math.isfinite(cost):
-        rec += f" At ${report.usd_per_hour:g}/h that is ${cost:.3g} per million output tokens."
+    rec += " " + cost_sentence(
+        report.usd_per_hour, c.tokens_per_s, str(report.meta.get("price", ""))
+    )
     lines.append(rec)
     frac = report.roofline_fraction(c)
     if math.isfinite(frac):
@@ -299,7 +299,11 @@ def render_html(report: CurveReport, *, png_b64: str) -> str:
     )
     box = "box" if chosen is not None else "box bad"
     title = "Operating point found" if chosen is not None else "No feasible operating point"
-    price = f"${report.usd_per_hour:g}/h" if report.usd_per_hour is not None else "not given"
+    price = (
+        f"${report.usd_per_hour:g}/h"
+        if report.usd_per_hour is not None
+        else "not given (no cost: give --price-per-hour)"
+    )
     who = f"{html.escape(report.model or 'model')} on {html.escape(report.hardware or 'device')}"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

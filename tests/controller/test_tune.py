@@ -477,3 +477,36 @@ def test_export_of_a_bare_tuner_study(tmp_path: Path) -> None:
     assert [t.max_batch_size for t in rep.trials] == [k.max_batch_size for k in target.measured]
     assert rep.slo.tpot_p99_s == pytest.approx(SLO.tpot_p99_s)
     assert all(t.completed > 0 for t in rep.trials)
+
+
+def test_cli_export_with_a_price_adds_the_cost_and_says_where_it_came_from(
+    tmp_path: Path, capsys
+) -> None:
+    study = str(tmp_path / "study.journal")
+    tuner = make_tuner(tmp_path)
+    b = base()
+    from dataclasses import replace
+
+    run_tune(
+        target=FakeTarget(),
+        tuner=tuner,
+        base=replace(b, usd_per_hour=None, meta={"price": "not given"}),
+        limits=TuneLimits(max_trials=6, time_budget_s=1e6, retry_wait_s=0.0),
+        out_dir=tmp_path / "out",
+        sleep=lambda s: None,
+    )
+    d = json.loads((tmp_path / "out" / "curve.json").read_text())
+    op = d["operating_point"]
+    assert op["usd_per_million_tokens"] is None
+    per_dollar = op["usd_per_million_tokens_per_usd_hour"]
+    assert per_dollar == pytest.approx(1e6 / (op["tokens_per_s"] * 3600))
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "No device price was given" in page and "--price-per-hour" in page
+    code, _, _ = _cli(
+        ["export", study, "--price-per-hour", "2", "--out", str(tmp_path / "p")], capsys
+    )
+    assert code == 0
+    priced = json.loads((tmp_path / "p" / "curve.json").read_text())
+    assert priced["operating_point"]["usd_per_million_tokens"] == pytest.approx(2 * per_dollar)
+    assert priced["meta"]["price"].startswith("--price-per-hour")
+    assert "At $2/h" in (tmp_path / "p" / "report.html").read_text()

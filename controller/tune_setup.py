@@ -1,0 +1,275 @@
+"""Where ``slotune tune`` runs: start a local Ray or attach to one, deploy the built-in
+model or check the given deployment, and pick the metrics source of its windows.
+
+:func:`prepare` does all of it before the first trial and returns a :class:`Setup`,
+the calibrated hardware and the planned search (``controller.tune_plan``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from controller.errors import BadInput
+from controller.tune_plan import hardware_spec, plan_search
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """Where the deployment is and how to read it (what the run attached to or started)."""
+
+    app: str
+    url: str  # HTTP base of the app
+    reader: Any
+    reader_desc: str
+    started_ray: bool
+    device: str
+
+
+def start_local_ray() -> tuple[int, int]:
+    """Ray + Serve on this machine, loopback only; returns (metrics port, HTTP port)."""
+    from serving.deploy import start_local_ray as start
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    metrics_port, http_port = _free_port(), _free_port()
+    start(num_cpus=os.cpu_count() or 2, metrics_port=metrics_port, http_port=http_port)
+    return metrics_port, http_port
+
+
+def attach_ray(address: str | None) -> None:
+    import ray
+
+    if address and address != "auto":
+        _check_reachable(address)
+    if ray.is_initialized():
+        return
+    from serving.deploy import ray_env_defaults
+
+    ray_env_defaults()
+    try:
+        ray.init(address=address or "auto", log_to_driver=False)
+    except Exception as e:  # ConnectionError, RuntimeError... all mean "cannot attach"
+        raise BadInput(
+            f"--address {address or 'auto'}: cannot connect to a Ray cluster ({e}); "
+            "start one with `ray start --head` or omit --address to run locally"
+        ) from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a Ray address nobody listens on (ray.init would retry for minutes)."""
+    hostport = address.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise BadInput(f"--address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=3.0).close()
+    except OSError as e:
+        raise BadInput(
+            f"--address {address}: nothing answers there ({e.strerror or e}); "
+            "start a cluster with `ray start --head` or omit --address to run locally"
+        ) from None
+
+
+def serve_url(app: str) -> str:
+    """http://host:port/prefix of ``app`` from Serve's own details."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        raise BadInput("no Ray Serve instance runs on this cluster: nothing to tune")
+    details = client.get_serve_details()
+    apps = details.get("applications", {})
+    if app not in apps:
+        raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
+    http = details.get("http_options") or {}
+    host = http.get("host") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    prefix = apps[app].get("route_prefix") or "/"
+    return f"http://{host}:{http.get('port', 8000)}{prefix.rstrip('/')}"
+
+
+def check_deployment(app: str, deployment: str | None) -> None:
+    from ray import serve
+
+    from serving.app import DEPLOYMENT_NAME
+
+    apps = serve.status().applications
+    if app not in apps:
+        raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
+    deps = apps[app].deployments
+    name = deployment or DEPLOYMENT_NAME
+    if name not in deps:
+        raise BadInput(f"--deployment {name}: not in app {app!r} (it has {sorted(deps)})")
+    if name != DEPLOYMENT_NAME:
+        raise BadInput(
+            f"--deployment {name}: slotune turns the batch limit of serving.app:app "
+            f"deployments ({DEPLOYMENT_NAME}) live; this one has no such knob"
+        )
+
+
+def ray_metrics_url() -> str:
+    """The metrics export endpoint of the (single) node of the attached cluster."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) != 1:
+        raise BadInput(
+            f"the cluster has {len(nodes)} nodes: give --metrics-url of the replica's node "
+            "or --prometheus-url of a Prometheus that scrapes them all"
+        )
+    n = nodes[0]
+    return f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+
+
+def make_reader(
+    *, slo: Any, app: str, metrics_url: str | None, prometheus_url: str | None, prefix: str
+) -> tuple[Any, str]:
+    from controller.targets import PromQLWindow, ScrapeWindow
+    from metrics.sources import PromQLSource, ScrapeSource
+
+    sel = {"application": app}
+    try:
+        if prometheus_url:
+            src = PromQLSource(prometheus_url, slo=slo, prefix=prefix, selector=sel)
+            return PromQLWindow(src), f"Prometheus {prometheus_url}"
+        url = metrics_url or ray_metrics_url()
+        src = ScrapeSource(url, slo=slo, prefix=prefix, selector=sel)
+        return ScrapeWindow(src), f"scrape {url}"
+    except ValueError as e:
+        raise BadInput(f"metrics source: {e}") from None
+
+
+def embedded_threads() -> int:
+    """torch threads of the built-in replica: the cores less one for the load and Ray, 1-4."""
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+def replica_threads(app: str) -> tuple[int, str]:
+    """The torch thread count the replicas of ``app`` run with (its ``torch_threads``
+    app argument, as Serve reports the deployed config), and where that came from."""
+    from ray.serve.context import _get_global_client
+
+    from serving.app import ServerArgs
+
+    default = ServerArgs(model="tiny").torch_threads
+    try:
+        client = _get_global_client(raise_if_no_controller_running=False)
+        details = client.get_serve_details() if client is not None else {}
+        cfg = (details.get("applications", {}).get(app) or {}).get("deployed_app_config") or {}
+        args = cfg.get("args") or {}
+        if "torch_threads" in args:
+            return int(args["torch_threads"]), f"app {app!r} args"
+    except Exception as e:  # an informational read: fall back to the app's default
+        log.warning("could not read the torch_threads of app %r: %s", app, e)
+    return default, f"serving.app default (app {app!r} does not say)"
+
+
+class SetupFailed(RuntimeError):
+    """Starting, attaching or deploying failed (exit 1 with the reason)."""
+
+
+def local_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # torch is a dependency; be explicit anyway
+        return "cpu"
+
+
+def prepare(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
+    """Start or attach, deploy if needed, calibrate at the replica's thread count, and plan
+    the search. Keywords: address, app_name, deployment, url, metrics_url, prometheus_url,
+    prefix, slo, model, slots, price, shape, quiet."""
+    from serving.deploy import DeployError, deploy_app
+
+    app = kw["app_name"]
+    slo = kw["slo"]
+    quiet = kw["quiet"]
+    context = round(kw["shape"].prompt_tokens.mean + kw["shape"].output_tokens.mean / 2)
+    device = local_device()
+    started = False
+    if kw["address"] is None and app is None:
+        if not quiet:
+            print("slotune: starting a local Ray and Serve (127.0.0.1) ...", file=sys.stderr)
+        metrics_port, _ = start_local_ray()
+        started = True
+        metrics_url = kw["metrics_url"] or f"http://127.0.0.1:{metrics_port}/metrics"
+    else:
+        attach_ray(kw["address"])
+        metrics_url = kw["metrics_url"]
+    if app is None:
+        threads, threads_from = embedded_threads(), "the built-in deployment"
+    else:
+        check_deployment(app, kw["deployment"])
+        threads, threads_from = replica_threads(app)
+    hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
+    hw_note += f"; replica threads from {threads_from}"
+    searched = plan_search(
+        model=kw["model"],
+        hardware=hw,
+        slo=slo,
+        price=kw["price"],
+        max_slots=kw["slots"],
+        context=context,
+    )
+    if app is None:
+        app = "slotune"
+        first = searched["seeds"][0]
+        if not quiet:
+            print(
+                f"slotune: deploying the built-in {kw['model']!r} model on {device} ...",
+                file=sys.stderr,
+            )
+        try:
+            deploy_app(
+                model=kw["model"],
+                max_batch_size=first.max_batch_size,
+                max_ongoing_requests=first.max_concurrency,
+                slo=slo,
+                max_slots=kw["slots"],
+                max_queued_requests=-1,
+                name=app,
+                device=device,
+                torch_threads=threads,
+            )
+        except (DeployError, ValueError) as e:
+            raise SetupFailed(f"deploying the built-in model failed: {e}") from e
+    reader, desc = make_reader(
+        slo=slo,
+        app=app,
+        metrics_url=metrics_url,
+        prometheus_url=kw["prometheus_url"],
+        prefix=kw["prefix"],
+    )
+    setup = Setup(
+        app=app,
+        url=kw["url"] or serve_url(app),
+        reader=reader,
+        reader_desc=desc,
+        started_ray=started,
+        device=device,
+    )
+    return setup, hw, hw_note, searched
+
+
+def shutdown_local() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

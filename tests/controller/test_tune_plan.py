@@ -1,0 +1,128 @@
+"""The cost wording and the catalogued price; calibration at the replica's thread count."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from pathlib import Path
+
+import pytest
+
+from controller import tune_plan
+from controller.cost import catalog_price, cost_sentence, usd_per_million_tokens
+from search.hardware import CATALOG
+
+# --- cost -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA L4", "l4"),
+        ("AMD Instinct MI300X", "mi300x"),
+    ],
+)
+def test_catalogued_gpus_get_the_catalog_price_with_its_source(name: str, key: str) -> None:
+    price, source = catalog_price(name)
+    assert price == CATALOG[key].usd_per_hour and price > 0
+    assert key in source and "search/hardware.py" in source and "--price-per-hour" in source
+
+
+@pytest.mark.parametrize(
+    "name", ["AMD EPYC 7B13", "NVIDIA L40S", "NVIDIA A100-SXM4-40GB", "NVIDIA GeForce RTX 4090"]
+)
+def test_no_price_is_made_up_for_an_unknown_part(name: str) -> None:
+    assert catalog_price(name) is None
+
+
+def test_cost_sentence_without_a_price_says_how_to_get_one() -> None:
+    s = cost_sentence(None, 100.0)
+    per_dollar = usd_per_million_tokens(1.0, 100.0)  # $2.78 per $1/h at 100 tokens/s
+    assert f"${per_dollar:.3g}" in s and "$1/h" in s
+    assert "--price-per-hour" in s and "slotune export" in s
+
+
+def test_cost_sentence_with_a_price_states_it_and_its_source() -> None:
+    s = cost_sentence(3.6, 1000.0, "catalog")
+    assert "$3.6/h (catalog)" in s and "$1 per million" in s
+    assert "nothing was generated" in cost_sentence(2.0, math.nan)
+
+
+# --- calibration at the replica's threads ------------------------------------------------
+
+
+class FakeCal:
+    def __init__(self, threads: int, elapsed: float = 1.0) -> None:
+        self.measured = {"threads": threads}
+        self.elapsed_s = elapsed
+        self.spec = types.SimpleNamespace(
+            to_json=lambda path, extra: Path(path).write_text(
+                json.dumps({"name": f"cal-{threads}t", "measured": extra})
+            )
+        )
+
+
+def fake_calib(tmp_path: Path, *, with_threads_kw: bool) -> types.SimpleNamespace:
+    import torch
+
+    calls: list[int] = []
+
+    def calibrate(*, device, plan, **kw):
+        got = kw.get("threads", torch.get_num_threads())
+        calls.append(got)
+        return FakeCal(got)
+
+    def calibrate_with_threads(*, device, plan, threads=None):
+        return calibrate(device=device, plan=plan, threads=threads)
+
+    ns = types.SimpleNamespace(
+        PLANS={"full": "full"},
+        calibrate=calibrate_with_threads if with_threads_kw else calibrate,
+        default_cache_path=lambda dev: tmp_path / "hardware-host-cpu.json",
+        pick_device=lambda d: torch.device("cpu"),
+        calls=calls,
+    )
+    return ns
+
+
+@pytest.mark.parametrize("with_threads_kw", [False, True])
+def test_calibration_runs_at_the_given_threads_and_restores_torch(
+    tmp_path: Path, with_threads_kw: bool
+) -> None:
+    import torch
+
+    calib = fake_calib(tmp_path, with_threads_kw=with_threads_kw)
+    before = torch.get_num_threads()
+    cal = tune_plan.calibrate_at(calib, device="cpu", threads=1)
+    assert calib.calls == [1] and cal.measured["threads"] == 1
+    assert torch.get_num_threads() == before
+
+
+def test_a_cached_calibration_at_other_threads_is_not_used(tmp_path: Path, monkeypatch) -> None:
+    import search.calibrate
+    import search.hardware
+
+    calib = fake_calib(tmp_path, with_threads_kw=False)
+    for k in ("PLANS", "calibrate", "default_cache_path", "pick_device"):
+        monkeypatch.setattr(search.calibrate, k, getattr(calib, k))
+    monkeypatch.setattr(
+        search.hardware.HardwareSpec,
+        "from_json",
+        classmethod(lambda cls, p: json.loads(Path(p).read_text())["name"]),
+    )
+    # last session's cache: measured at 2 threads under the plain name
+    (tmp_path / "hardware-host-cpu.json").write_text(
+        json.dumps({"name": "cal-2t", "measured": {"threads": 2}})
+    )
+    spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=2)
+    assert spec == "cal-2t" and calib.calls == []  # the same threads: the cache is used
+    spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
+    assert calib.calls == [1] and "calibrated now at 1 thread" in note
+    assert (tmp_path / "hardware-host-cpu-1t.json").exists()
+    spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
+    assert spec == "cal-1t" and calib.calls == [1]  # cached now, not measured again
