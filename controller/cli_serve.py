@@ -9,6 +9,7 @@ shuts Serve and Ray down.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -22,11 +23,28 @@ from metrics.observation import Slo
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+DEFAULT_TTFT_MS = 1000.0
+DEFAULT_TPOT_MS = 100.0
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise BadInput(msg)
+
+
+def _slo_s(which: str, ms: float | None, seconds: float | None, default_ms: float) -> float:
+    """The SLO in seconds from ``--slo-<which>-ms`` (the flag tune and simulate take) or the
+    deprecated ``--<which>-slo`` in seconds; not both."""
+    flag, old = f"--slo-{which}-ms", f"--{which}-slo"
+    if ms is not None and seconds is not None:
+        raise BadInput(f"{flag} and {old}: give one ({old} is the deprecated one, in seconds)")
+    if seconds is not None:
+        typer.echo(f"slotune: {old} is deprecated: use {flag} (milliseconds)", err=True)
+        return seconds
+    if ms is None:
+        return default_ms / 1e3
+    _check(math.isfinite(ms) and ms > 0, f"{flag} {ms:g}: must be a positive number of ms")
+    return ms / 1e3
 
 
 def serve(
@@ -37,8 +55,18 @@ def serve(
         64, help="Requests queued beyond the admission limit before a 503 (-1: unbounded)."
     ),
     max_slots: int = typer.Option(64, help="KV-cache slots (the largest possible batch)."),
-    ttft_slo: float = typer.Option(1.0, help="TTFT p99 SLO, seconds (slo_met label)."),
-    tpot_slo: float = typer.Option(0.1, help="TPOT p99 SLO, seconds (slo_met label)."),
+    slo_ttft_ms: float | None = typer.Option(
+        None, "--slo-ttft-ms", help="p99 TTFT SLO, ms (slo_met label; default 1000)."
+    ),
+    slo_tpot_ms: float | None = typer.Option(
+        None, "--slo-tpot-ms", help="p99 TPOT SLO, ms (slo_met label; default 100)."
+    ),
+    ttft_slo: float | None = typer.Option(
+        None, "--ttft-slo", hidden=True, help="Deprecated: --slo-ttft-ms, in seconds."
+    ),
+    tpot_slo: float | None = typer.Option(
+        None, "--tpot-slo", hidden=True, help="Deprecated: --slo-tpot-ms, in seconds."
+    ),
     port: int = typer.Option(8000, help="HTTP port of Serve's proxy (on 127.0.0.1)."),
     metrics_port: int = typer.Option(8080, help="Ray's metrics export port (Prometheus)."),
     num_cpus: int = typer.Option(2, help="CPUs Ray may schedule."),
@@ -77,7 +105,10 @@ def serve(
             torch_threads=torch_threads,
             stream_interval_s=stream_interval,
         )
-        slo = Slo(ttft_p99_s=ttft_slo, tpot_p99_s=tpot_slo)
+        slo = Slo(
+            ttft_p99_s=_slo_s("ttft", slo_ttft_ms, ttft_slo, DEFAULT_TTFT_MS),
+            tpot_p99_s=_slo_s("tpot", slo_tpot_ms, tpot_slo, DEFAULT_TPOT_MS),
+        )
         LiveConfig(max_batch_size=max_batch_size)
     except ValueError as e:
         raise BadInput(str(e)) from None

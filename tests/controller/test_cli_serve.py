@@ -1,0 +1,71 @@
+"""``slotune serve`` takes the SLO in ms like tune and simulate (old seconds flags: hidden)."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrics.observation import Slo
+
+
+def _serve(argv: list[str], capsys, monkeypatch) -> tuple[int, str, dict]:
+    """Run ``slotune serve`` with Ray and Serve replaced by recorders (nothing starts)."""
+    import ray
+    from ray import serve as ray_serve
+
+    import serving.deploy
+    from controller.cli import main
+
+    seen: dict = {}
+    monkeypatch.setattr(serving.deploy, "start_local_ray", lambda **kw: seen.update(start=kw))
+    monkeypatch.setattr(serving.deploy, "deploy_app", lambda **kw: seen.update(deploy=kw))
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_serve, "shutdown", lambda: None)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--for", "0.01", *argv])
+    return int(e.value.code or 0), capsys.readouterr().err, seen
+
+
+def test_slo_flags_are_milliseconds(capsys, monkeypatch) -> None:
+    code, err, seen = _serve(["--slo-ttft-ms", "1500", "--slo-tpot-ms", "80"], capsys, monkeypatch)
+    assert code == 0, err
+    assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.5, tpot_p99_s=0.08)
+
+
+def test_defaults_are_one_second_and_100_ms(capsys, monkeypatch) -> None:
+    code, err, seen = _serve([], capsys, monkeypatch)
+    assert code == 0, err
+    assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
+
+
+def test_the_old_seconds_flags_still_work_and_say_they_are_deprecated(capsys, monkeypatch) -> None:
+    code, err, seen = _serve(["--tpot-slo", "0.05"], capsys, monkeypatch)
+    assert code == 0
+    assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
+    assert "--tpot-slo is deprecated" in err and "--slo-tpot-ms" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--slo-tpot-ms", "-5"], "--slo-tpot-ms -5"),
+        (["--slo-ttft-ms", "nan"], "--slo-ttft-ms nan"),
+        (["--slo-ttft-ms", "900", "--ttft-slo", "0.9"], "give one"),
+    ],
+)
+def test_bad_slo_flags_exit_2_before_anything_starts(
+    argv: list[str], fragment: str, capsys, monkeypatch
+) -> None:
+    code, err, seen = _serve(argv, capsys, monkeypatch)
+    assert code == 2 and not seen
+    line = err.strip()
+    assert line.startswith("slotune: error:") and fragment in line and "\n" not in line
+
+
+def test_serve_help_shows_only_the_ms_flags(capsys) -> None:
+    from controller.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--slo-ttft-ms" in out and "--slo-tpot-ms" in out
+    assert "--ttft-slo" not in out and "--tpot-slo" not in out
