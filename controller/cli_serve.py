@@ -32,14 +32,16 @@ def _check(cond: bool, msg: str) -> None:
         raise BadInput(msg)
 
 
-def _slo_s(which: str, ms: float | None, seconds: float | None, default_ms: float) -> float:
+def _slo_s(
+    which: str, ms: float | None, seconds: float | None, default_ms: float, deprecated: list[str]
+) -> float:
     """The SLO in seconds from ``--slo-<which>-ms`` (the flag tune and simulate take) or the
     deprecated ``--<which>-slo`` in seconds; not both."""
     flag, old = f"--slo-{which}-ms", f"--{which}-slo"
     if ms is not None and seconds is not None:
         raise BadInput(f"{flag} and {old}: give one ({old} is the deprecated one, in seconds)")
     if seconds is not None:
-        typer.echo(f"slotune: {old} is deprecated: use {flag} (milliseconds)", err=True)
+        deprecated.append(f"slotune: {old} is deprecated: use {flag} (milliseconds)")
         return seconds
     if ms is None:
         return default_ms / 1e3
@@ -95,6 +97,7 @@ def serve(
         max_queued_requests == -1 or max_queued_requests >= 1,
         f"--max-queued-requests {max_queued_requests}: must be -1 or >= 1",
     )
+    deprecated: list[str] = []  # said once the flags are known good (errors stay one line)
     try:
         args = ServerArgs(
             model=model,
@@ -106,8 +109,8 @@ def serve(
             stream_interval_s=stream_interval,
         )
         slo = Slo(
-            ttft_p99_s=_slo_s("ttft", slo_ttft_ms, ttft_slo, DEFAULT_TTFT_MS),
-            tpot_p99_s=_slo_s("tpot", slo_tpot_ms, tpot_slo, DEFAULT_TPOT_MS),
+            ttft_p99_s=_slo_s("ttft", slo_ttft_ms, ttft_slo, DEFAULT_TTFT_MS, deprecated),
+            tpot_p99_s=_slo_s("tpot", slo_tpot_ms, tpot_slo, DEFAULT_TPOT_MS, deprecated),
         )
         LiveConfig(max_batch_size=max_batch_size)
     except ValueError as e:
@@ -118,6 +121,8 @@ def serve(
     )
     if checkpoint is not None:
         _check(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: not a directory")
+    for note in deprecated:
+        typer.echo(note, err=True)
 
     import ray
     from ray import serve as ray_serve
