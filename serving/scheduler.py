@@ -35,6 +35,14 @@ Positions: a decode entry feeds the last sampled token at cache position
 sums that over the decode entries (the roofline's ``B · ctx`` term); prefill
 cost is ``StepPlan.prefill_tokens``.
 
+Cost: a step is O(1) in the decode batch. The scheduler keeps the decoding set
+with running sums (its size, its KV tokens), finds the requests that reach
+``max_tokens`` in a heap keyed by the step they do so, and the plan's decode
+entries are built only when ``plan.decode`` is read (serving/step_plan.py). Work
+is per prefill chunk, per admission, per finish and per token handed to
+``update`` (the engine hands one per sequence; the simulator none), so the
+simulator runs a batch of hundreds at the cost of a handful.
+
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /
 (generated - 1)`` (None for a single token); queue wait = admission (the
@@ -45,9 +53,24 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
+
+from serving.step_plan import DecodeEntry, Finished, PrefillChunk, RequestTiming, StepPlan
+
+__all__ = [
+    "DecodeEntry",
+    "Finished",
+    "PrefillChunk",
+    "RequestTiming",
+    "Scheduler",
+    "SchedulerConfig",
+    "SeqRequest",
+    "StepPlan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,109 +123,36 @@ class SeqRequest:
     stop_ids: frozenset[int] = frozenset()
 
 
-@dataclass(frozen=True, kw_only=True)
-class DecodeEntry:
-    """Feed ``token`` (the last sampled one; None in a simulation) at ``position``."""
-
-    request_id: str
-    slot: int
-    position: int
-    token: int | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrefillChunk:
-    """Prefill prompt positions ``start .. start+length-1`` into ``slot``.
-
-    ``last`` is True when the chunk ends the prompt: its final logits sample
-    the request's first token.
-    """
-
-    request_id: str
-    slot: int
-    start: int
-    length: int
-    last: bool
-    token_ids: tuple[int, ...] | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepPlan:
-    decode: tuple[DecodeEntry, ...] = ()
-    prefill: tuple[PrefillChunk, ...] = ()
-
-    @property
-    def decode_batch(self) -> int:
-        return len(self.decode)
-
-    @property
-    def kv_tokens(self) -> int:
-        """Cached tokens the decode entries read: sum of (position + 1)."""
-        return sum(e.position + 1 for e in self.decode)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(c.length for c in self.prefill)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    def sampling_ids(self) -> list[str]:
-        """Requests that sample a token this step (decode entries, final chunks)."""
-        return [e.request_id for e in self.decode] + [c.request_id for c in self.prefill if c.last]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestTiming:
-    """What one finished request measured; seconds on the engine's clock."""
-
-    request_id: str
-    arrival_s: float
-    admitted_s: float
-    first_token_s: float
-    last_token_s: float
-    prompt_tokens: int
-    generated_tokens: int
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.generated_tokens < 2:
-            return None
-        return (self.last_token_s - self.first_token_s) / (self.generated_tokens - 1)
-
-    @property
-    def queue_wait_s(self) -> float:
-        return self.admitted_s - self.arrival_s
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finished:
-    request_id: str
-    reason: str  # "length" | "stop" (OpenAI finish_reason)
-    timing: RequestTiming
-    output_ids: tuple[int, ...]  # empty in a simulation
-
-
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _Seq:
+    """A running request. While it decodes, its position and generated count follow from
+    the step index alone: at step ``k`` it has ``1 + k - dec_start`` tokens and feeds the
+    last one at position ``prompt_len + k - dec_start``. So a step costs nothing per
+    decoding sequence, and a plan's decode entries can be built whenever they are read."""
+
     req: SeqRequest
     slot: int
     admitted_s: float
+    order: int  # admission number: finished requests come back in this order
     computed: int = 0  # prompt tokens already in the cache
-    generated: int = 0
-    last_token: int | None = None
-    output: list[int] = field(default_factory=list)
-    first_token_s: float | None = None
-    last_token_s: float | None = None
+    dec_start: int = -1  # the step index of its first decode (-1: still prefilling)
+    tokens: list[int | None] | None = None  # sampled tokens by sample index (None: none given)
+    first_token_s: float = math.nan
 
-    @property
-    def prefilled(self) -> bool:
-        return self.computed >= self.req.prompt_len
+    def entry(self, k: int) -> DecodeEntry:
+        """Its decode entry in the plan of step ``k``."""
+        i = k - self.dec_start
+        toks = self.tokens
+        return DecodeEntry(
+            request_id=self.req.request_id,
+            slot=self.slot,
+            position=self.req.prompt_len + i,
+            token=toks[i] if toks is not None and i < len(toks) else None,
+        )
+
+
+def _decode_entries(seqs: tuple[_Seq, ...], k: int) -> tuple[DecodeEntry, ...]:
+    return tuple(s.entry(k) for s in seqs)
 
 
 class Scheduler:
@@ -214,6 +164,14 @@ class Scheduler:
         self._waiting: deque[SeqRequest] = deque()
         self._waiting_ids: set[str] = set()
         self._running: dict[str, _Seq] = {}  # insertion order = admission order
+        self._prefilling: dict[str, _Seq] = {}  # running, prompt not fully cached
+        self._decoding: dict[str, _Seq] = {}  # running, decoding (admission order, see update)
+        self._decode_view: tuple[_Seq, ...] = ()  # _decoding as a tuple, rebuilt when it changes
+        self._decode_dirty = False
+        self._kv_base = 0  # sum over _decoding of prompt_len + 1 - dec_start (see kv_tokens)
+        self._ends: list[tuple[int, int, _Seq]] = []  # (step of its last token, order, seq)
+        self._step = 0  # updates applied: the index of the next plan
+        self._admitted = 0
         self._free: list[int] = list(range(config.max_slots))  # a min-heap
         self._clock = float("-inf")  # latest time seen, for admission without now_s
 
@@ -249,6 +207,12 @@ class Scheduler:
         """Drop a request, waiting or running; its slot is free at once."""
         seq = self._running.pop(request_id, None)
         if seq is not None:
+            if seq.dec_start >= 0:
+                del self._decoding[request_id]
+                self._decode_dirty = True
+                self._kv_base -= seq.req.prompt_len + 1 - seq.dec_start
+            else:
+                self._prefilling.pop(request_id, None)
             heapq.heappush(self._free, seq.slot)
             return True
         if request_id in self._waiting_ids:
@@ -269,26 +233,25 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------
     def schedule(self, now_s: float | None = None) -> StepPlan:
-        """Decode every prefilled running request; spend the prefill budget FIFO."""
-        if now_s is not None:
-            self._clock = max(self._clock, now_s)
-        decode = [
-            DecodeEntry(
-                request_id=rid,
-                slot=s.slot,
-                position=s.req.prompt_len + s.generated - 1,
-                token=s.last_token,
-            )
-            for rid, s in self._running.items()
-            if s.prefilled
-        ]
+        """Decode every prefilled running request; spend the prefill budget FIFO.
+
+        O(1) in the decode batch: its size and KV tokens are running sums, and the
+        entries are materialised only when ``plan.decode`` is read."""
+        if now_s is not None and now_s > self._clock:
+            self._clock = now_s
+        k = self._step
+        if self._decode_dirty:
+            self._decode_view = tuple(self._decoding.values())
+            self._decode_dirty = False
+        dseqs = self._decode_view
         budget = self.config.prefill_chunk
         prefill: list[PrefillChunk] = []
-        for s in self._running.values():
+        pseqs: list[_Seq] = []
+        for s in self._prefilling.values():  # admission order: the oldest prompt first
             if budget == 0:
                 break
-            if not s.prefilled:
-                budget -= self._chunk(s, budget, prefill)
+            budget -= self._chunk(s, budget, prefill)
+            pseqs.append(s)
         while (
             budget > 0
             and self._waiting
@@ -296,12 +259,28 @@ class Scheduler:
             and len(self._running) < self._max_batch_size
         ):
             req = self._waiting.popleft()
-            self._waiting_ids.discard(req.request_id)
-            admitted = max(self._clock, req.arrival_s)
-            s = _Seq(req=req, slot=heapq.heappop(self._free), admitted_s=admitted)
-            self._running[req.request_id] = s
+            rid = req.request_id
+            self._waiting_ids.discard(rid)
+            s = _Seq(
+                req=req,
+                slot=heapq.heappop(self._free),
+                admitted_s=max(self._clock, req.arrival_s),
+                order=self._admitted,
+            )
+            self._admitted += 1
+            self._running[rid] = s
+            self._prefilling[rid] = s
             budget -= self._chunk(s, budget, prefill)
-        return StepPlan(decode=tuple(decode), prefill=tuple(prefill))
+            pseqs.append(s)
+        n = len(dseqs)
+        return StepPlan.lean(
+            decode_batch=n,
+            kv_tokens=self._kv_base + n * k,
+            make_decode=partial(_decode_entries, dseqs, k),
+            prefill=tuple(prefill),
+            step=k,
+            seqs=tuple(pseqs),
+        )
 
     @staticmethod
     def _chunk(s: _Seq, budget: int, out: list[PrefillChunk]) -> int:
@@ -326,53 +305,95 @@ class Scheduler:
         """Apply one executed plan: advance prefills, record sampled tokens and times.
 
         ``sampled`` maps request ids to the token each sampled this step (see
-        ``StepPlan.sampling_ids``); a simulation passes an empty mapping.
-        Entries of requests aborted since ``schedule`` are ignored.
+        ``StepPlan.sampling_ids``); a simulation passes an empty mapping. Entries of
+        requests aborted since ``schedule`` are ignored. Every ``schedule`` is followed
+        by exactly one ``update`` of its plan (a plan from an earlier step is refused).
+        The cost is in the prefill chunks, the tokens given and the requests finishing,
+        not in the decode batch.
         """
-        self._clock = max(self._clock, now_s)
-        for c in plan.prefill:
-            s = self._running.get(c.request_id)
-            if s is not None and s.computed == c.start:
-                s.computed = c.start + c.length
-        finished: list[Finished] = []
-        for rid in plan.sampling_ids():
-            s = self._running.get(rid)
+        k = self._step
+        if plan.step != k:
+            raise ValueError(
+                f"plan of step {plan.step} given to update at step {k}: apply each plan"
+                " from schedule() exactly once, before the next schedule()"
+            )
+        if now_s > self._clock:
+            self._clock = now_s
+        running = self._running
+        firsts: list[tuple[int, _Seq]] = []  # final prompt chunks: they sample a first token
+        first_at: dict[str, int] = {}
+        for i, (c, s) in enumerate(zip(plan.prefill, plan._seqs, strict=True)):
+            if running.get(c.request_id) is not s or s.computed != c.start:
+                continue  # aborted since schedule
+            s.computed = c.start + c.length
+            if c.last:
+                del self._prefilling[c.request_id]
+                s.first_token_s = now_s
+                firsts.append((i, s))
+                first_at[c.request_id] = i
+        done: list[tuple[tuple[int, int], Finished]] = []
+        for rid, tok in sampled.items():
+            s = running.get(rid)
             if s is None:
                 continue
-            tok = sampled.get(rid)
-            s.generated += 1
-            s.last_token = tok
-            if tok is not None:
-                s.output.append(tok)
-            if s.first_token_s is None:
-                s.first_token_s = now_s
-            s.last_token_s = now_s
-            reason = None
+            if 0 <= s.dec_start <= k:
+                idx = k - s.dec_start + 1  # in this plan's decode batch
+            elif s.dec_start < 0 and s.computed >= s.req.prompt_len:
+                idx = 0  # its final prompt chunk ran in this plan
+            else:
+                continue  # not sampling in this step
+            toks = s.tokens
+            if toks is None:
+                toks = s.tokens = []
+            toks.extend([None] * (idx - len(toks)))
+            toks.append(tok)
             if tok is not None and tok in s.req.stop_ids:
-                reason = "stop"
-            elif s.generated >= s.req.max_tokens:
-                reason = "length"
-            if reason is not None:
-                del self._running[rid]
-                heapq.heappush(self._free, s.slot)
-                finished.append(self._finished(s, reason))
-        return finished
+                key = (0, s.order) if idx else (1, first_at[rid])
+                done.append((key, self._finish(s, "stop", idx + 1, now_s)))
+        ends = self._ends
+        while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
+            _, _, s = heapq.heappop(ends)
+            if self._decoding.get(s.req.request_id) is s:
+                g = k - s.dec_start + 2
+                done.append(((0, s.order), self._finish(s, "length", g, now_s)))
+        for i, s in firsts:
+            rid = s.req.request_id
+            if running.get(rid) is not s:
+                continue  # stopped at its first token
+            if s.req.max_tokens == 1:
+                done.append(((1, i), self._finish(s, "length", 1, now_s)))
+                continue
+            s.dec_start = k + 1
+            self._decoding[rid] = s
+            self._decode_dirty = True
+            self._kv_base += s.req.prompt_len + 1 - s.dec_start
+            heapq.heappush(ends, (s.dec_start + s.req.max_tokens - 2, s.order, s))
+        self._step = k + 1
+        if len(done) > 1:
+            done.sort(key=lambda d: d[0])  # decode batch (admission order), then prompts
+        return [f for _, f in done]
 
-    @staticmethod
-    def _finished(s: _Seq, reason: str) -> Finished:
-        assert s.first_token_s is not None and s.last_token_s is not None
+    def _finish(self, s: _Seq, reason: str, generated: int, now_s: float) -> Finished:
+        rid = s.req.request_id
+        del self._running[rid]
+        if s.dec_start >= 0:
+            del self._decoding[rid]
+            self._decode_dirty = True
+            self._kv_base -= s.req.prompt_len + 1 - s.dec_start
+        else:
+            self._prefilling.pop(rid, None)
+        heapq.heappush(self._free, s.slot)
         timing = RequestTiming(
-            request_id=s.req.request_id,
+            request_id=rid,
             arrival_s=s.req.arrival_s,
             admitted_s=s.admitted_s,
             first_token_s=s.first_token_s,
-            last_token_s=s.last_token_s,
+            last_token_s=now_s,
             prompt_tokens=s.req.prompt_len,
-            generated_tokens=s.generated,
+            generated_tokens=generated,
         )
-        return Finished(
-            request_id=s.req.request_id, reason=reason, timing=timing, output_ids=tuple(s.output)
-        )
+        out = () if s.tokens is None else tuple(t for t in s.tokens if t is not None)
+        return Finished(request_id=rid, reason=reason, timing=timing, output_ids=out)
 
     # ---- state -----------------------------------------------------------------
     @property

@@ -252,3 +252,28 @@ def test_deterministic() -> None:
         return out
 
     assert trace() == trace()
+
+
+def test_a_reused_id_is_not_finished_by_its_aborted_namesake() -> None:
+    s = make(max_slots=2, max_batch_size=2, prefill_chunk=64)
+    s.add(req("a", max_tokens=3))
+    run_step(s, 0.0)  # "a" prefilled: it would reach max_tokens two steps later
+    assert s.abort("a") is True
+    s.add(req("a", max_tokens=6))
+    lengths = []
+    for i in range(6):
+        plan, fin = run_step(s, 1.0 + i)
+        lengths += [f.timing.generated_tokens for f in fin]
+    assert lengths == [6]
+    assert plan.decode[0].position == 4 + 4  # prompt 4, fed its 5th token in the 6th step
+
+
+def test_decode_entries_read_after_the_update_are_those_it_ran() -> None:
+    s = make(prefill_chunk=64)
+    s.add(req("a", max_tokens=5))
+    run_step(s, 0.0, token=3)
+    plan = s.schedule(now_s=1.0)
+    s.update(plan, {"a": 4}, now_s=1.5)
+    run_step(s, 2.0, token=5)
+    (e,) = plan.decode  # read two updates late: still the plan as scheduled
+    assert (e.position, e.token) == (4, 3)

@@ -1,0 +1,176 @@
+"""What one engine step does and what a finished request measured: the scheduler's types.
+
+:class:`StepPlan` is what ``Scheduler.schedule`` returns and the executor runs. The
+scheduler builds it *lean*: the decode batch size and the KV tokens it reads are
+integers computed in O(1), and the per-sequence :class:`DecodeEntry` tuple is
+materialised only when someone reads ``plan.decode`` (the torch executor does; the
+simulator never does). A materialised entry is the same whenever it is read, before
+or after ``update``: it is derived from per-sequence facts that do not change while
+the sequence decodes (see serving/scheduler.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeEntry:
+    """Feed ``token`` (the last sampled one; None in a simulation) at ``position``."""
+
+    request_id: str
+    slot: int
+    position: int
+    token: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillChunk:
+    """Prefill prompt positions ``start .. start+length-1`` into ``slot``.
+
+    ``last`` is True when the chunk ends the prompt: its final logits sample
+    the request's first token.
+    """
+
+    request_id: str
+    slot: int
+    start: int
+    length: int
+    last: bool
+    token_ids: tuple[int, ...] | None
+
+
+class StepPlan:
+    """Who runs in one step: ``decode`` entries and ``prefill`` chunks (immutable).
+
+    Build one by hand with ``StepPlan(decode=(...), prefill=(...))``; the scheduler
+    builds lean ones whose ``decode`` tuple is made on first access.
+    """
+
+    __slots__ = ("_decode", "_make", "_n", "_kv", "prefill", "step", "_seqs")
+
+    def __init__(
+        self,
+        *,
+        decode: tuple[DecodeEntry, ...] = (),
+        prefill: tuple[PrefillChunk, ...] = (),
+    ) -> None:
+        self._init(tuple(decode), None, len(decode), None, tuple(prefill), -1, None)
+
+    def _init(
+        self,
+        decode: tuple[DecodeEntry, ...] | None,
+        make: Callable[[], tuple[DecodeEntry, ...]] | None,
+        n: int,
+        kv: int | None,
+        prefill: tuple[PrefillChunk, ...],
+        step: int,
+        seqs: Any,
+    ) -> None:
+        s = object.__setattr__
+        s(self, "_decode", decode)
+        s(self, "_make", make)
+        s(self, "_n", n)
+        s(self, "_kv", kv)
+        s(self, "prefill", prefill)
+        s(self, "step", step)  # the scheduler's step index (-1: built by hand)
+        s(self, "_seqs", seqs)  # the scheduler's own view of the plan (None: by hand)
+
+    @classmethod
+    def lean(
+        cls,
+        *,
+        decode_batch: int,
+        kv_tokens: int,
+        make_decode: Callable[[], tuple[DecodeEntry, ...]],
+        prefill: tuple[PrefillChunk, ...],
+        step: int,
+        seqs: Any,
+    ) -> StepPlan:
+        """A plan whose decode entries are built by ``make_decode`` when first read."""
+        plan = cls.__new__(cls)
+        plan._init(None, make_decode, decode_batch, kv_tokens, prefill, step, seqs)
+        return plan
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"StepPlan is immutable: cannot set {name!r}")
+
+    @property
+    def decode(self) -> tuple[DecodeEntry, ...]:
+        d = self._decode
+        if d is None:
+            d = self._make()
+            object.__setattr__(self, "_decode", d)
+            object.__setattr__(self, "_make", None)
+        return d
+
+    @property
+    def decode_batch(self) -> int:
+        return self._n
+
+    @property
+    def kv_tokens(self) -> int:
+        """Cached tokens the decode entries read: sum of (position + 1)."""
+        if self._kv is None:
+            return sum(e.position + 1 for e in self.decode)
+        return self._kv
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.length for c in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return self._n == 0 and not self.prefill
+
+    def sampling_ids(self) -> list[str]:
+        """Requests that sample a token this step (decode entries, final chunks)."""
+        return [e.request_id for e in self.decode] + [c.request_id for c in self.prefill if c.last]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepPlan):
+            return NotImplemented
+        return self.decode == other.decode and self.prefill == other.prefill
+
+    def __hash__(self) -> int:
+        return hash((self.decode, self.prefill))
+
+    def __repr__(self) -> str:
+        return f"StepPlan(decode={self.decode!r}, prefill={self.prefill!r})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestTiming:
+    """What one finished request measured; seconds on the engine's clock."""
+
+    request_id: str
+    arrival_s: float
+    admitted_s: float
+    first_token_s: float
+    last_token_s: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.generated_tokens < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.generated_tokens - 1)
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.admitted_s - self.arrival_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    request_id: str
+    reason: str  # "length" | "stop" (OpenAI finish_reason)
+    timing: RequestTiming
+    output_ids: tuple[int, ...]  # empty in a simulation
