@@ -19,6 +19,7 @@ per-request samples (:mod:`metrics.samples`). Deterministic under a seed.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
@@ -178,57 +179,69 @@ def simulate(
     arr = arrivals.tolist()
     pl = prompts.tolist()
     ol = outputs.tolist()
+    # Arrivals before warmup_s are not counted when rejected: the first index counted.
+    first_counted = bisect.bisect_left(arr, cfg.warmup_s)
+    limit = max_concurrency
+    queue_limit = cfg.queue_limit
+    warmup_s = cfg.warmup_s
+    max_steps = cfg.max_steps
+    add = sched.add
+    schedule = sched.schedule
+    update = sched.update
 
     def admit(i: int) -> None:
-        sched.add(
-            SeqRequest(request_id=str(i), prompt_len=pl[i], max_tokens=ol[i], arrival_s=arr[i])
-        )
+        add(SeqRequest(request_id=str(i), prompt_len=pl[i], max_tokens=ol[i], arrival_s=arr[i]))
 
     t = 0.0
     i = 0
     steps = 0
     busy = 0.0
-    noise = np.empty(0)
+    noise: list[float] = []
     k = 0
+    empty: dict[str, int | None] = {}
     while t < end_s:
-        while i < n and arr[i] <= t:
-            if in_flight < max_concurrency:
+        if i < n and arr[i] <= t:
+            while i < n and arr[i] <= t and in_flight < limit:
                 admit(i)
                 in_flight += 1
-            elif len(queue) < cfg.queue_limit:
+                i += 1
+            while i < n and arr[i] <= t and len(queue) < queue_limit:
                 queue.append(i)
-            elif arr[i] >= cfg.warmup_s:
-                rejected += 1
-            i += 1
+                i += 1
+            if i < n and arr[i] <= t:  # full: every arrival up to t is turned away
+                j = bisect.bisect_right(arr, t, i)
+                rejected += j - max(i, min(j, first_counted))
+                i = j
         if not sched.has_work:
             if i >= n:
                 break
             t = arr[i]
             continue
-        plan = sched.schedule(now_s=t)
+        plan = schedule(t)
         if k >= len(noise):
             noise = (
-                rng.lognormal(-sigma * sigma / 2, sigma, size=_NOISE_BLOCK)
+                rng.lognormal(-sigma * sigma / 2, sigma, size=_NOISE_BLOCK).tolist()
                 if sigma
-                else (np.ones(_NOISE_BLOCK))
+                else [1.0] * _NOISE_BLOCK
             )
             k = 0
-        dt = step_time(plan) * slowdown * float(noise[k])
+        dt = step_time(plan) * slowdown * noise[k]
         k += 1
-        if not (math.isfinite(dt) and dt > 0):
+        if not (dt > 0 and math.isfinite(dt)):
             raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
         t += dt
         busy += dt
         steps += 1
-        if steps > cfg.max_steps:
-            raise RuntimeError(f"simulation exceeded max_steps={cfg.max_steps}")
-        for f in sched.update(plan, {}, now_s=t):
-            in_flight -= 1
-            if cfg.warmup_s <= t <= end_s:
-                timings.append(f.timing)
-        while queue and in_flight < max_concurrency:
-            admit(queue.popleft())
-            in_flight += 1
+        if steps > max_steps:
+            raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
+        done = update(plan, empty, t)
+        if done:
+            in_flight -= len(done)
+            if warmup_s <= t <= end_s:
+                timings.extend(f.timing for f in done)
+            while queue and in_flight < limit:
+                admit(queue.popleft())
+                in_flight += 1
     obs = observation_from_timings(
         timings,
         slo=slo,

@@ -150,3 +150,70 @@ def test_config_validation_names_the_value() -> None:
         LengthDist(kind="zipf")
     with pytest.raises(ValueError, match="rate_rps=0"):
         Workload(rate_rps=0)
+
+
+def _roofline_like(plan: StepPlan) -> float:
+    """A step time that depends on everything the plan carries (as the roofline's does)."""
+    return (
+        2e-3
+        + 1e-5 * plan.decode_batch
+        + 2e-7 * plan.kv_tokens
+        + 3e-6 * plan.prefill_tokens
+        + 1e-4 * len(plan.prefill)
+    )
+
+
+EQUIV_CASES = {
+    "saturated-noisy": dict(
+        max_batch_size=16,
+        max_concurrency=16,
+        workload=Workload(rate_rps=400.0),
+        config=SimConfig(max_slots=32, max_len=4096, warmup_s=1.0, window_s=6.0),
+    ),
+    "queue-and-headroom": dict(
+        max_batch_size=8,
+        max_concurrency=20,
+        workload=Workload.preset("short", rate_rps=150.0),
+        config=SimConfig(
+            max_slots=8, max_len=2048, prefill_chunk=64, queue_limit=30, warmup_s=1.0, window_s=5.0
+        ),
+    ),
+    "light-load-single-stream": dict(
+        max_batch_size=1,
+        max_concurrency=1,
+        workload=Workload.preset("chat", rate_rps=2.0),
+        config=SimConfig(max_slots=4, max_len=4096, warmup_s=2.0, window_s=20.0),
+    ),
+    "trace-no-noise": dict(
+        max_batch_size=4,
+        max_concurrency=6,
+        workload=Workload(
+            rate_rps=None, trace=(0.0, 0.01, 0.02, 0.5), prompt=FIXED.prompt, output=FIXED.output
+        ),
+        config=QUIET,
+    ),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 7, 12345])
+@pytest.mark.parametrize("case", sorted(EQUIV_CASES))
+def test_identical_to_the_step_by_step_reference(case: str, seed: int) -> None:
+    """The lean scheduler and arrival handling change nothing: same result, bit for bit,
+    as the plain loop over the reference scheduler (tests/serving/ref_sim.py)."""
+    from tests.serving.ref_sim import ref_simulate
+
+    args = dict(EQUIV_CASES[case], step_time=_roofline_like, slo=SLO, seed=seed)
+    fast = simulate(**args)
+    ref = ref_simulate(**args)
+    assert fast.steps == ref.steps and fast.steps > 100
+    assert fast.timings == ref.timings
+    assert fast.observation == ref.observation
+    assert (fast.busy_s, fast.sim_s, fast.slowdown) == (ref.busy_s, ref.sim_s, ref.slowdown)
+
+
+def test_deterministic_with_a_roofline_like_step_and_rejections() -> None:
+    args = dict(EQUIV_CASES["saturated-noisy"], step_time=_roofline_like, slo=SLO)
+    a, b = simulate(**args, seed=5), simulate(**args, seed=5)
+    assert a.observation.rejected > 0
+    assert a == b
+    assert simulate(**args, seed=6).timings != a.timings
