@@ -2,8 +2,9 @@
 
 Only local directories: nothing is ever fetched. Tensor names are the Hugging
 Face ones (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``...),
-which are the module names of serving/model.py, so loading is a checked
-``load_state_dict``. Hugging Face stores q/k projections already permuted for
+which serving/model.py's ``state_dict`` speaks (its fused q/k/v and gate/up
+weights are split on save and stacked on load by state-dict hooks), so loading
+is a checked ``load_state_dict``. Hugging Face stores q/k projections already permuted for
 the ``rotate_half`` rotary convention the model uses. Sharded checkpoints
 (several ``*.safetensors``) load as one state dict. ``rope_scaling`` (Llama
 3.1's long-context frequency rescaling) is not implemented and is refused.
@@ -94,8 +95,8 @@ def save_checkpoint(model: Transformer, directory: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
-    tensors = {
-        k: v.detach().to("cpu").contiguous()
+    tensors = {  # cloned: the fused linears' Hugging Face parts are views of one tensor
+        k: v.detach().to("cpu").clone()
         for k, v in model.state_dict().items()
         if not (model.config.tie_embeddings and k == "lm_head.weight")
     }

@@ -1,29 +1,39 @@
 """A Llama-style decoder in plain torch, with a KV cache allocated once.
 
 RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention),
-grouped-query attention, SwiGLU. Module names follow the Hugging Face Llama
-layout (``model.layers.0.self_attn.q_proj.weight`` ...), so a local
+grouped-query attention, SwiGLU.
+
+Fused linears: q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj``
+(their weights stacked by rows), so a decode step runs 4 linears per layer
+instead of 7: fewer, bigger GEMVs stream weights closer to the memory
+bandwidth (measured: ~35 GB/s cycling many small prepacked matrices, ~49 GB/s
+for big ones). ``state_dict`` still speaks the Hugging Face Llama layout
+(``model.layers.0.self_attn.q_proj.weight`` ...): state-dict hooks split the
+fused weights on save and stack the Hugging Face ones on load, so a local
 safetensors checkpoint loads with ``load_state_dict`` (serving/checkpoint.py).
 
-The KV cache is one pair of buffers per layer, ``[max_slots, n_kv_heads, max_len,
-head_dim]``, allocated once by :meth:`Transformer.allocate_cache` and updated
-in place with ``index_put_`` on the whole buffer (FIELD-NOTES: writing into
-slices of one big cache tensor makes inductor copy the cache per layer; a
-per-layer buffer with ``index_put_`` does not). Each running request owns one
-slot (a row of every buffer).
+The KV cache is one buffer per layer, ``[max_slots, n_kv_heads, 2, max_len,
+head_dim]`` (K at index 0, V at 1 of the third dim), allocated once by
+:meth:`Transformer.allocate_cache` and written in place with a single
+``index_put_`` per layer (K and V together, rows computed once per step).
+FIELD-NOTES: writing into slices of one big cache tensor makes inductor copy
+the cache per layer; a per-layer buffer with ``index_put_`` does not. Each
+running request owns one slot (a row of every buffer).
 
 One ``forward`` serves both phases: a decode step (``T == 1``, ``B`` requests
 at their own positions) and a prefill chunk (``B == 1``, ``T`` prompt tokens
 from ``positions[0, 0]`` on). Keys are read from the cache: a view when the
-slots are one ascending run (no copy), an ``index_select`` gather otherwise;
-a boolean mask hides positions beyond each query's own. Whole ``max_len``
-rows are read (see ``_StepContext.read``), so size ``max_len`` to the
-contexts served.
+slots are one ascending run (no copy), one ``index_select`` gather (K and V
+together) otherwise; an additive mask, built once per step, hides positions
+beyond each query's own. Whole ``max_len`` rows are read (see
+``_StepContext.read``), so size ``max_len`` to the contexts served.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +56,24 @@ class Linear(nn.Linear):
     """``nn.Linear`` (no bias) that can use a oneDNN-prepacked copy of its weight on CPU.
 
     ``F.linear`` in bf16 streams a skinny decode GEMM at a fraction of the
-    memory bandwidth here (measured 3-6 GB/s at batch 1 against ~20 GB/s for the
-    prepacked weight: the blocked layout inductor's freezing pass uses). Results
-    are bit-identical. The packed copy is a plain attribute: ``state_dict`` and
-    checkpoints keep the ordinary weight.
+    memory bandwidth here (measured 17-23 GB/s at batch 1 against 35-49 GB/s for
+    the prepacked weight: the blocked layout inductor's freezing pass uses).
+    Results are bit-identical. The packed copy is a plain attribute:
+    ``state_dict`` and checkpoints keep the ordinary weight.
+
+    ``parts``: for a fused linear, the Hugging Face names and row counts of the
+    weights stacked in it, in order (``(("q_proj", 768), ("k_proj", 256), ...)``).
     """
 
     packed: torch.Tensor | None = None
+
+    def __init__(
+        self, in_features: int, out_features: int, *, parts: tuple[tuple[str, int], ...] = ()
+    ) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        if parts and sum(n for _, n in parts) != out_features:
+            raise ValueError(f"parts={parts!r}: rows must sum to out_features={out_features}")
+        self.parts = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -69,6 +90,40 @@ def can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+def _split_fused(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+    """state_dict post-hook: each fused ``<name>.weight`` -> its Hugging Face parts (views)."""
+    for child_name, child in module.named_children():
+        if isinstance(child, Linear) and child.parts:
+            key = f"{prefix}{child_name}.weight"
+            keys = list(state)
+            after = keys[keys.index(key) + 1 :]
+            fused = state.pop(key)
+            rows = [n for _, n in child.parts]
+            for (hf, _), w in zip(child.parts, fused.split(rows), strict=True):
+                state[f"{prefix}{hf}.weight"] = w
+            if isinstance(state, OrderedDict):  # keep the Hugging Face order
+                for k in after:
+                    state.move_to_end(k)
+
+
+def _stack_hf(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
+    """load_state_dict pre-hook: Hugging Face ``q_proj/k_proj/v_proj`` -> fused ``qkv_proj``."""
+    for child_name, child in module.named_children():
+        if isinstance(child, Linear) and child.parts:
+            keys = [f"{prefix}{hf}.weight" for hf, _ in child.parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{child_name}.weight"] = torch.cat([state.pop(k) for k in keys])
+
+
+class _FusedHF(nn.Module):
+    """A module holding fused linears that reads and writes the Hugging Face names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_state_dict_post_hook(_split_fused)
+        self.register_load_state_dict_pre_hook(_stack_hf)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -76,9 +131,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # torch's fused kernel: normalizes in fp32, one op instead of seven.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 ROPE_TABLE_DEFAULT = 4096  # positions tabulated before a cache asks for more
@@ -94,66 +148,76 @@ def rope_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tens
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, H, D]; cos, sin: [B, T, 1, D]
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)  # [B, T, H, D]
-    return x * cos + rotated * sin
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """Rotate ``x`` in place: ``x * cos + rotate_half(x) * sin``.
+
+    x: [B, T, H, D] (may be a strided view); cos, sin_signed: [B, T, 1, D].
+    ``rotate_half(x) * sin == roll(x, D/2) * sin_signed`` with the first half of
+    ``sin_signed`` negated, so the rotation is three ops (mul, roll, addcmul).
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [B, T, H, D]
+    torch.addcmul(x * cos, rolled, sin_signed, out=x)
 
 
-class Attention(nn.Module):
+class Attention(_FusedHF):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.d_model, cfg.q_dim, bias=False)
-        self.k_proj = Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.v_proj = Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.o_proj = Linear(cfg.q_dim, cfg.d_model, bias=False)
-        self.register_buffer("k_cache", torch.empty(0), persistent=False)
-        self.register_buffer("v_cache", torch.empty(0), persistent=False)
+        self.q_dim, self.kv_dim = cfg.q_dim, cfg.kv_dim
+        self.qkv_proj = Linear(
+            cfg.d_model,
+            cfg.q_dim + 2 * cfg.kv_dim,
+            parts=(("q_proj", cfg.q_dim), ("k_proj", cfg.kv_dim), ("v_proj", cfg.kv_dim)),
+        )
+        self.o_proj = Linear(cfg.q_dim, cfg.d_model)
+        self.register_buffer("kv_cache", torch.empty(0), persistent=False)
 
     def forward(
         self,
         x: torch.Tensor,  # [B, T, d_model]
-        cos: torch.Tensor,  # [B, T, 1, D]
-        sin: torch.Tensor,  # [B, T, 1, D]
         ctx: _StepContext,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        g = self.n_heads // self.n_kv
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)  # [B, T, H, D]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd)  # [B, T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, hkv, d = self.n_heads, self.n_kv, self.hd
+        g = h // hkv
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) * D]
+        qk = qkv[..., : self.q_dim + self.kv_dim].unflatten(-1, (h + hkv, d))  # [B, T, H+Hkv, D]
+        apply_rope_(qk, ctx.cos, ctx.sin)  # q and k rotated in place, inside qkv
+        q = qkv[..., : self.q_dim].unflatten(-1, (h, d))  # [B, T, H, D]
         if ctx.slots is None:  # full recomputation, no cache
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+            kv = qkv[..., self.q_dim :].unflatten(-1, (2, hkv, d))  # [B, T, 2, Hkv, D]
+            keys = kv[:, :, 0].transpose(1, 2).reshape(b * hkv, t, d)  # [B*Hkv, T, D]
+            values = kv[:, :, 1].transpose(1, 2).reshape(b * hkv, t, d)  # [B*Hkv, T, D]
         else:
-            self.k_cache.index_put_(ctx.write_index, k)  # cache [S, Hkv, L, D]
-            self.v_cache.index_put_(ctx.write_index, v)
-            keys, values = ctx.read(self.k_cache), ctx.read(self.v_cache)  # [B, Hkv, Lk, D]
+            kv = qkv[..., self.q_dim :].unflatten(-1, (2 * hkv, d))  # [B, T, 2*Hkv, D]
+            ctx.write(self.kv_cache, kv)  # cache [S, Hkv, 2, L, D]
+            kv_read = ctx.read(self.kv_cache)  # [B, Hkv, 2, L, D]
+            keys = kv_read[:, :, 0].reshape(b * hkv, -1, d)  # [B*Hkv, L, D] (a view)
+            values = kv_read[:, :, 1].reshape(b * hkv, -1, d)  # [B*Hkv, L, D] (a view)
         # Grouped-query attention as two batched GEMMs: query head h uses KV head
         # h // g (Hugging Face repeat_kv order), so the g heads of a group and the
         # T positions stack into one [g*T, D] matrix per KV head. Plain bmm beats
-        # CPU SDPA here by 3-7x for single-token queries (measured, torch 2.13).
-        qg = q.transpose(1, 2).reshape(b, self.n_kv, g * t, self.hd)  # [B, Hkv, g*T, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [B, Hkv, g*T, Lk]
-        scores = scores.view(b, self.n_kv, g, t, -1) * self.hd**-0.5  # [B, Hkv, g, T, Lk]
-        scores = scores.masked_fill(ctx.hidden, float("-inf"))  # hidden: [B, 1, 1, T, Lk]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, self.n_kv, g * t, -1)
-        out = torch.matmul(probs, values)  # [B, Hkv, g*T, D]
-        out = out.view(b, self.n_heads, t, self.hd).transpose(1, 2)  # [B, T, H, D]
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.hd))
+        # CPU SDPA here for single-token queries (measured, torch 2.13).
+        qg = q.transpose(1, 2).reshape(b * hkv, g * t, d)  # [B*Hkv, g*T, D]
+        scores = torch.bmm(qg, keys.transpose(1, 2))  # [B*Hkv, g*T, Lk]
+        # scale, mask and the cast to fp32 in one op: mask is 0 / -inf, fp32
+        scores = torch.add(ctx.mask, scores.view(b, hkv, g, t, -1), alpha=d**-0.5)
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)  # [B, Hkv, g, T, Lk]
+        out = torch.bmm(probs.view(b * hkv, g * t, -1), values)  # [B*Hkv, g*T, D]
+        out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
+        return self.o_proj(out)
 
 
-class MLP(nn.Module):
+class MLP(_FusedHF):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.d_model, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.d_model, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.d_model, bias=False)
+        i = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.d_model, 2 * i, parts=(("gate_proj", i), ("up_proj", i)))
+        self.down_proj = Linear(i, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -164,8 +228,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, ctx):  # x: [B, T, d_model]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    def forward(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:  # x: [B, T, d]
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,27 +242,47 @@ class _Backbone(nn.Module):
 
 
 class _StepContext:
-    """Where one forward writes and reads the cache, and its mask; built once per step."""
+    """Where one forward writes and reads the cache, its rotary factors and its mask;
+    built once per step, shared by every layer."""
 
     def __init__(
         self,
         positions: torch.Tensor,  # [B, T]
         slots: torch.Tensor | None,  # [B]
-        kv_len: int,
         slot_start: int | None,
+        *,
+        kv_len: int,
         n_kv_heads: int,
+        cos: torch.Tensor,  # [P, D] in the model dtype
+        sin_signed: torch.Tensor,  # [P, D]
     ) -> None:
         b, t = positions.shape
+        dev = positions.device
         self.slots, self.slot_start, self.b = slots, slot_start, b
+        self.cos = cos[positions][:, :, None, :]  # [B, T, 1, D]
+        self.sin = sin_signed[positions][:, :, None, :]  # [B, T, 1, D]
         if slots is not None:
-            heads = torch.arange(n_kv_heads, device=positions.device)
-            # index_put_ indices broadcasting to [B, T, Hkv]: (slot, head, position)
-            self.write_index = (slots[:, None, None], heads[None, None, :], positions[:, :, None])
-        key_pos = torch.arange(kv_len, device=positions.device)  # [Lk]
-        self.hidden = key_pos > positions[:, None, None, :, None]  # [B, 1, 1, T, Lk]
+            # Row of (slot, kv head h, K|V j, position p) in a cache viewed as
+            # [S*Hkv*2*L, D]: ((slot*Hkv + h)*2 + j)*L + p; ordered [B, T, 2, Hkv]
+            # like the k|v half of the qkv output, so one index_put_ writes both.
+            j = torch.arange(2, device=dev)[:, None]  # [2, 1]
+            hh = torch.arange(n_kv_heads, device=dev)[None, :]  # [1, Hkv]
+            within = (hh * 2 + j) * kv_len  # [2, Hkv]
+            base = slots * (n_kv_heads * 2 * kv_len)  # [B]
+            rows = base[:, None, None, None] + within + positions[:, :, None, None]  # [B,T,2,Hkv]
+            self.rows = rows.flatten(2)  # [B, T, 2*Hkv]
+        key_pos = torch.arange(kv_len, device=dev)  # [Lk]
+        hidden = key_pos > positions[:, None, None, :, None]  # [B, 1, 1, T, Lk]
+        self.mask = torch.zeros(hidden.shape, dtype=torch.float32, device=dev).masked_fill_(
+            hidden, float("-inf")
+        )  # [B, 1, 1, T, Lk]
+
+    def write(self, cache: torch.Tensor, kv: torch.Tensor) -> None:
+        # cache: [S, Hkv, 2, L, D]; kv: [B, T, 2*Hkv, D] (a strided view of qkv)
+        cache.view(-1, cache.shape[-1]).index_put_((self.rows,), kv)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
-        # cache: [S, Hkv, L, D] -> [B, Hkv, L, D]. Whole slots are read: a
+        # cache: [S, Hkv, 2, L, D] -> [B, Hkv, 2, L, D]. Whole slots are read: a
         # narrowed length makes the batch non-contiguous and CPU bmm then copies
         # it, 5-8x slower than reading all max_len positions (measured).
         if self.slot_start is not None:
@@ -211,12 +295,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Backbone(cfg)
-        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_tables(cfg, min(cfg.max_position, ROPE_TABLE_DEFAULT))
-        self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
-        self.register_buffer("rope_sin", sin, persistent=False)  # [P, D]
+        self._set_rope(min(cfg.max_position, ROPE_TABLE_DEFAULT), torch.float32)
         self.max_slots = 0
         self.max_len = 0
 
@@ -224,27 +306,39 @@ class Transformer(nn.Module):
     def random(
         cls, cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu"
     ) -> Transformer:
-        """Random weights from a fixed seed (N(0, 0.02), norms at 1), in cfg.dtype."""
+        """Random weights from a fixed seed (N(0, 0.02), norms at 1), in cfg.dtype.
+
+        Drawn per Hugging Face tensor in the Hugging Face order, so a fused weight
+        holds what its parts would have held unfused."""
         gen = torch.Generator().manual_seed(seed)
         model = cls(cfg)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
+                    continue
+                owner = model.get_submodule(name.rsplit(".", 1)[0])
+                rows = [n for _, n in owner.parts] if getattr(owner, "parts", ()) else [len(p)]
+                for part in p.split(rows):
+                    part.normal_(0.0, 0.02, generator=gen)
         return model.prepare(device)
 
     def prepare(self, device: str | torch.device) -> Transformer:
-        """Move to device in cfg.dtype, keeping the RoPE tables in fp32."""
-        self.to(device=device, dtype=torch_dtype(self.config.dtype))
-        self._set_rope(self.rope_cos.shape[0])
+        """Move to device in cfg.dtype for inference (no gradients)."""
+        dt = torch_dtype(self.config.dtype)
+        self.to(device=device, dtype=dt)
+        self.requires_grad_(False)
+        self._set_rope(self.rope_cos.shape[0], dt)
         return self.eval()
 
-    def _set_rope(self, length: int) -> None:
-        cos, sin = rope_tables(self.config, length)
+    def _set_rope(self, length: int, dtype: torch.dtype) -> None:
+        """Rotary tables in the model dtype (rounded from fp32, as a cast per step would)."""
+        cos, sin = rope_tables(self.config, length)  # [P, D] fp32
+        half = self.config.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [P, D]
         dev = self.lm_head.weight.device
-        self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
+        self.register_buffer("rope_cos", cos.to(dev, dtype), persistent=False)  # [P, D]
+        self.register_buffer("rope_sin", sin_signed.to(dev, dtype), persistent=False)  # [P, D]
 
     def prepack(self, enable: bool = True) -> bool:
         """Use oneDNN-prepacked weights for every linear (CPU bf16 only; see ``Linear``).
@@ -262,19 +356,18 @@ class Transformer(nn.Module):
         return on
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
-        """Allocate the KV cache once: per layer [max_slots, n_kv_heads, max_len, head_dim]."""
+        """Allocate the KV cache once: per layer [max_slots, n_kv_heads, 2, max_len, head_dim]."""
         cfg = self.config
         if max_len > cfg.max_position:
             raise ValueError(
                 f"max_len={max_len}: exceeds the model's max_position={cfg.max_position}"
             )
         if max_len > self.rope_cos.shape[0]:
-            self._set_rope(max_len)
+            self._set_rope(max_len, self.rope_cos.dtype)
         dev, dt = self.lm_head.weight.device, self.lm_head.weight.dtype
-        shape = (max_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
+        shape = (max_slots, cfg.n_kv_heads, 2, max_len, cfg.head_dim)
         for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, device=dev, dtype=dt)
-            layer.self_attn.v_cache = torch.zeros(shape, device=dev, dtype=dt)
+            layer.self_attn.kv_cache = torch.zeros(shape, device=dev, dtype=dt)
         self.max_slots, self.max_len = max_slots, max_len
         logger.info(
             "KV cache: %d slots x %d tokens, %.1f MiB",
@@ -284,11 +377,8 @@ class Transformer(nn.Module):
         )
 
     def caches(self) -> list[torch.Tensor]:
-        return [
-            t
-            for layer in self.model.layers
-            for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)
-        ]
+        """The per-layer KV buffers, [max_slots, n_kv_heads, 2, max_len, head_dim] each."""
+        return [layer.self_attn.kv_cache for layer in self.model.layers]
 
     def forward(
         self,
@@ -307,13 +397,18 @@ class Transformer(nn.Module):
         so the cache is read as a view. Without ``slots``: plain causal
         attention over ``tokens`` (positions must be 0..T-1), no cache.
         """
-        kv_len = self.max_len if slots is not None else tokens.shape[1]
-        ctx = _StepContext(positions, slots, kv_len, slot_start, self.config.n_kv_heads)
         x = self.model.embed_tokens(tokens)  # [B, T, d_model]
-        cos = self.rope_cos[positions].to(x.dtype)[:, :, None, :]  # [B, T, 1, D]
-        sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, T, 1, D]
+        ctx = _StepContext(
+            positions,
+            slots,
+            slot_start,
+            kv_len=self.max_len if slots is not None else tokens.shape[1],
+            n_kv_heads=self.config.n_kv_heads,
+            cos=self.rope_cos,
+            sin_signed=self.rope_sin,
+        )
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, ctx)
         if last_only:
             x = x[:, -1]  # [B, d_model]
         return self.lm_head(self.model.norm(x)).float()  # [B, V] or [B, T, V]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.config import ModelConfig
-from serving.model import Transformer, sample
+from serving.model import Linear, Transformer, sample
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +52,18 @@ def test_unknown_preset() -> None:
 def test_seed_fixes_weights() -> None:
     cfg = ModelConfig.from_name("tiny")
     a, b, c = (Transformer.random(cfg, seed=s) for s in (1, 1, 2))
-    wa, wb, wc = (m.model.layers[0].mlp.up_proj.weight for m in (a, b, c))
+    wa, wb, wc = (m.state_dict()["model.layers.0.mlp.up_proj.weight"] for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     assert wa.dtype == torch.bfloat16
 
 
 def reference_forward(m: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """An independent Llama forward: repeat_kv + SDPA, RoPE computed from scratch."""
+    """An independent Llama forward: repeat_kv + SDPA, RoPE computed from scratch, from the
+    Hugging Face-named weights of ``state_dict`` (the fused linears split back)."""
     cfg = m.config
+    sd = m.state_dict()
     t = tokens.shape[0]
-    x = m.model.embed_tokens.weight[tokens]  # [T, d]
+    x = sd["model.embed_tokens.weight"][tokens]  # [T, d]
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
     ang = torch.arange(t).float()[:, None] * inv[None]  # [T, D/2]
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)  # [T, D]
@@ -74,23 +76,21 @@ def reference_forward(m: Transformer, tokens: torch.Tensor) -> torch.Tensor:
         rot = torch.cat([-v[..., half:], v[..., :half]], -1)
         return v * cos + rot * sin
 
-    for layer in m.model.layers:
-        a = layer.self_attn
-        h = rms(x, layer.input_layernorm.weight)
-        q = (h @ a.q_proj.weight.T).view(t, cfg.n_heads, cfg.head_dim).transpose(0, 1)
-        k = (h @ a.k_proj.weight.T).view(t, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
-        v = (h @ a.v_proj.weight.T).view(t, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
+    for i in range(cfg.n_layers):
+        w = {k.removeprefix(f"model.layers.{i}."): v for k, v in sd.items()}
+        h = rms(x, w["input_layernorm.weight"])
+        q = (h @ w["self_attn.q_proj.weight"].T).view(t, cfg.n_heads, cfg.head_dim).transpose(0, 1)
+        k = (h @ w["self_attn.k_proj.weight"].T).view(t, cfg.n_kv_heads, -1).transpose(0, 1)
+        v = (h @ w["self_attn.v_proj.weight"].T).view(t, cfg.n_kv_heads, -1).transpose(0, 1)
         rep = cfg.n_heads // cfg.n_kv_heads
         k = rope(k).repeat_interleave(rep, 0)
         v = v.repeat_interleave(rep, 0)
         o = F.scaled_dot_product_attention(rope(q), k, v, is_causal=True)  # [H, T, D]
-        x = x + o.transpose(0, 1).reshape(t, -1) @ a.o_proj.weight.T
-        h = rms(x, layer.post_attention_layernorm.weight)
-        mlp = layer.mlp
-        x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ (
-            mlp.down_proj.weight.T
-        )
-    return rms(x, m.model.norm.weight) @ m.lm_head.weight.T  # [T, V]
+        x = x + o.transpose(0, 1).reshape(t, -1) @ w["self_attn.o_proj.weight"].T
+        h = rms(x, w["post_attention_layernorm.weight"])
+        gate, up = h @ w["mlp.gate_proj.weight"].T, h @ w["mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+    return rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T  # [T, V]
 
 
 @torch.inference_mode()
@@ -147,13 +147,14 @@ def test_cache_longer_than_max_position_rejected() -> None:
 def test_cache_shape_is_per_layer_and_allocated_once(tiny32: Transformer) -> None:
     tiny32.allocate_cache(5, 24)
     caches = tiny32.caches()
-    assert len(caches) == 2 * tiny32.config.n_layers
-    assert all(c.shape == (5, 4, 24, 32) for c in caches)
+    assert len(caches) == tiny32.config.n_layers  # K and V of a layer in one buffer
+    assert all(c.shape == (5, 4, 2, 24, 32) for c in caches)
     ptrs = [c.data_ptr() for c in caches]
     with torch.inference_mode():
         tiny32(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([1]), slot_start=1)
     assert [c.data_ptr() for c in tiny32.caches()] == ptrs  # updated in place
-    assert caches[0][1, :, :3].abs().sum() > 0
+    assert caches[0][1, :, :, :3].abs().sum() > 0
+    assert caches[0][1, :, :, 3:].abs().sum() == 0 and caches[0][[0, 2, 3, 4]].abs().sum() == 0
 
 
 def test_sample_greedy_and_temperature() -> None:
@@ -181,3 +182,14 @@ def test_prepacked_linears_are_bit_identical() -> None:
     assert torch.equal(m(toks, pos, last_only=False), plain)
     assert "lm_head.weight" in m.state_dict()  # checkpoints keep the plain weight
     assert m.prepack(False) is False and m.lm_head.packed is None
+
+
+def test_calibration_times_the_linears_the_model_runs() -> None:
+    # search/decode_shapes.py mirrors the model's linears (it may not import serving):
+    # the same (out, in) shapes in the same order, the fused ones included.
+    from search.decode_shapes import _linear_shapes
+    from search.models import ModelSpec
+
+    m = Transformer(ModelConfig.from_name("small"))
+    ours = [tuple(lin.weight.shape) for lin in m.modules() if isinstance(lin, Linear)]
+    assert _linear_shapes(ModelSpec.from_name("slotune-small")) == ours
