@@ -135,11 +135,22 @@ def device_label(dev: torch.device) -> str:
     return f"{dev.type}-{slug}"[:60]
 
 
-def default_cache_path(dev: torch.device) -> Path:
-    """``$XDG_CACHE_HOME/slotune/hardware-<host>-<device>.json``."""
+def default_cache_path(dev: torch.device, *, threads: int | None = None) -> Path:
+    """``$XDG_CACHE_HOME/slotune/hardware-<host>-<device>[-<threads>t].json``.
+
+    ``threads``: the torch thread count the calibration measured with (a CPU's
+    decode speed depends on it); None gives the name without it (older caches)."""
+    if threads is not None:
+        _check_threads(threads)
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotune"
     host = re.sub(r"[^A-Za-z0-9_.-]+", "-", platform.node() or "host")
-    return base / f"hardware-{host}-{device_label(dev)}.json"
+    suffix = f"-{threads}t" if threads is not None else ""
+    return base / f"hardware-{host}-{device_label(dev)}{suffix}.json"
+
+
+def _check_threads(threads: object) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r}: must be a positive integer (torch threads)")
 
 
 def measure_bandwidth(dev: torch.device, nbytes: int, reps: int, budget_s: float = 0.0) -> float:
@@ -189,8 +200,34 @@ def calibrate(
     model: ModelSpec | None = None,
     dtypes: Sequence[str] = ("fp32", "bf16"),
     name: str | None = None,
+    threads: int | None = None,
 ) -> Calibration:
-    """Measure the device; the decode shapes are ``model``'s (default ``slotune-small``)."""
+    """Measure the device; the decode shapes are ``model``'s (default ``slotune-small``).
+
+    ``threads``: torch intra-op threads to measure with (set for the duration,
+    then restored); None measures with the process's current setting. Calibrate
+    at the thread count of the process that will serve: a Ray replica runs 1.
+    """
+    if threads is not None:
+        _check_threads(threads)
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(plan=plan, device=device, model=model, dtypes=dtypes, name=name)
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _calibrate(
+    *,
+    device: str | None,
+    plan: CalibrationPlan | None,
+    model: ModelSpec | None,
+    dtypes: Sequence[str],
+    name: str | None,
+) -> Calibration:
     plan = plan or PLANS["full"]
     model = model or ModelSpec.from_name("slotune-small")
     for d in dtypes:
@@ -230,7 +267,11 @@ def calibrate(
                     measure_layer_overhead(dev, d, model, plan.kv_batches, plan.context, *args),
                     min,
                 )
-                _keep(so, measure_step_overhead(dev, d, model, plan.kv_batches, *args), min)
+                _keep(
+                    so,
+                    measure_step_overhead(dev, d, model, plan.kv_batches, *args, plan.context),
+                    min,
+                )
             raw[d] = {"weight_rate": wr, "kv_rate": kr, "layer_s": ov, "step_s": so}
             decode[d] = DecodeProfile(
                 weight_rate=monotone_rates(wr, lambda b: 1.0),
@@ -259,6 +300,7 @@ def calibrate(
     measured = {
         "device": label,
         "threads": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "plan": plan.name,
         "model": model.name,
         "context": plan.context,

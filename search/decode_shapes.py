@@ -61,20 +61,29 @@ def _layers_within(per_layer_bytes: int, layers: int) -> int:
     return max(1, min(layers, MAX_WORKING_SET_BYTES // max(1, per_layer_bytes)))
 
 
+def can_prepack(dev: torch.device, dt: torch.dtype) -> bool:
+    """Whether serving's engine prepacks its linears here (serving/model.py ``can_prepack``,
+    keep in step): CPU, bf16, oneDNN with bf16 support."""
+    return (
+        dev.type == "cpu"
+        and dt == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def _linear_shapes(model: ModelSpec, bytes_per_elem: int = 2) -> list[tuple[int, int]]:
     """(out, in) of every linear one decode step runs, in order, lm_head last (of a model
     too big for :data:`MAX_WORKING_SET_BYTES`: the layers that fit, and the lm_head if
-    it fits too)."""
+    it fits too). serving/model.py fuses q/k/v into one linear and gate/up into one:
+    four per layer."""
     m = model
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     layer = [
-        (q, m.hidden),
-        (kv, m.hidden),
-        (kv, m.hidden),
-        (m.hidden, q),
-        (m.intermediate, m.hidden),
-        (m.intermediate, m.hidden),
-        (m.hidden, m.intermediate),
+        (q + 2 * kv, m.hidden),  # qkv_proj
+        (m.hidden, q),  # o_proj
+        (2 * m.intermediate, m.hidden),  # gate_up_proj
+        (m.hidden, m.intermediate),  # down_proj
     ]
     per_layer = sum(o * i for o, i in layer) * bytes_per_elem
     n = _layers_within(per_layer, m.layers)
@@ -93,22 +102,44 @@ def measure_weight_rate(
     batches: Sequence[int],
     reps: int,
     budget_s: float = 0.0,
+    *,
+    prepacked: bool | None = None,
 ) -> dict[int, float]:
-    """batch -> weight bytes/s that the model's linears consume at that batch."""
+    """batch -> weight bytes/s that the model's linears consume at that batch.
+
+    Runs the kernels the engine runs: oneDNN's ``_linear_pointwise`` on weights
+    prepacked with ``_reorder_linear_weight`` where the engine prepacks
+    (``prepacked`` None: as :func:`can_prepack` says), ``F.linear`` elsewhere;
+    the fused shapes of :func:`_linear_shapes`; inputs ``[B, 1, in]``."""
     dt = TORCH_DTYPES[dtype]
+    packed = can_prepack(dev, dt) if prepacked is None else prepacked
     shapes = _linear_shapes(model, BYTES_PER_ELEM[dtype])
     weights = [torch.empty(o, i, device=dev, dtype=dt).normal_(0, 0.02) for o, i in shapes]
     total = sum(w.numel() for w in weights) * BYTES_PER_ELEM[dtype]
+    if packed:
+        weights = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+
+        def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    else:
+        linear = F.linear
     out: dict[int, float] = {}
     for b in batches:
-        xs = {i: torch.randn(b, i, device=dev).to(dt) for i in {i for _, i in shapes}}  # [B, in]
+        xs = {i: torch.randn(b, 1, i, device=dev).to(dt) for _, i in shapes}  # [B, 1, in]
 
         def run(xs: dict[int, torch.Tensor] = xs) -> None:
-            for w in weights:
-                F.linear(xs[w.shape[1]], w)  # [B, out]
+            for (_, i), w in zip(shapes, weights, strict=True):
+                linear(xs[i], w)  # [B, 1, out]
 
         out[b] = total / best_time(run, dev, reps, budget_s)
-        logger.info("%s weight rate at B=%d: %.2f GB/s", dtype, b, out[b] / 1e9)
+        logger.info(
+            "%s weight rate at B=%d: %.2f GB/s%s",
+            dtype,
+            b,
+            out[b] / 1e9,
+            " (prepacked)" if packed else "",
+        )
     return out
 
 
@@ -124,35 +155,35 @@ def measure_kv_rate(
     """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each).
 
     Mirrors serving/model.py's decode attention (keep the two in step): a cache
-    ``[slots, kv_heads, len, head_dim]`` per layer, grouped-query attention as two
-    batched matmuls (the g query heads of a group stacked), fp32 scores, a mask,
-    softmax. Only the shapes matter here: the values are random.
+    ``[slots, kv_heads, 2, len, head_dim]`` per layer (K and V of a head side by
+    side), grouped-query attention as two batched matmuls over views of it (the
+    g query heads of a group stacked), scale + mask + fp32 in one add, softmax,
+    the cast back. Only the shapes matter here: the values are random.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
-    g = m.heads // m.kv_heads
+    g, d = m.heads // m.kv_heads, m.head_dim
     out: dict[int, float] = {}
     for b in batches:
-        per_layer = 2 * b * m.kv_heads * context * m.head_dim * BYTES_PER_ELEM[dtype]
+        per_layer = 2 * b * m.kv_heads * context * d * BYTES_PER_ELEM[dtype]
         layers = _layers_within(per_layer, m.layers)
         caches = [
-            (
-                torch.empty(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt).normal_(),
-                torch.empty(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt).normal_(),
-            )
+            torch.empty(b, m.kv_heads, 2, context, d, device=dev, dtype=dt).normal_()
             for _ in range(layers)
-        ]  # per layer: [B, Hkv, L, D] x 2, filled (untouched pages would read as zeros)
-        q = torch.randn(b, m.kv_heads, g, m.head_dim, device=dev).to(dt)  # [B, Hkv, g, D]
-        hidden = torch.zeros(b, 1, 1, context, dtype=torch.bool, device=dev)  # [B, 1, 1, L]
+        ]  # per layer: [B, Hkv, 2, L, D], filled (untouched pages would read as zeros)
+        q = torch.randn(b * m.kv_heads, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
+        mask = torch.zeros(b, 1, 1, 1, context, device=dev)  # [B, 1, 1, T, L] fp32
 
-        def run(caches: list = caches, q: torch.Tensor = q, hidden: torch.Tensor = hidden) -> None:
-            for k, v in caches:
-                scores = (
-                    torch.matmul(q, k.transpose(-1, -2)).float() * m.head_dim**-0.5
-                )  # [B, Hkv, g, L]
-                scores = scores.masked_fill(hidden, float("-inf"))
-                probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, L]
-                torch.matmul(probs, v)  # [B, Hkv, g, D]
+        def run(caches: list = caches, q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
+            for c in caches:
+                keys = c[:, :, 0].reshape(-1, context, d)  # [B*Hkv, L, D] (a view)
+                values = c[:, :, 1].reshape(-1, context, d)  # [B*Hkv, L, D]
+                scores = torch.bmm(q, keys.transpose(1, 2))  # [B*Hkv, g, L]
+                scores = torch.add(
+                    mask, scores.view(mask.shape[0], -1, g, 1, context), alpha=d**-0.5
+                )
+                probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, 1, L]
+                torch.bmm(probs.view(-1, g, context), values)  # [B*Hkv, g, D]
 
         nbytes = layers * per_layer
         out[b] = nbytes / best_time(run, dev, reps, budget_s)
@@ -173,59 +204,56 @@ def measure_layer_overhead(
     """batch -> seconds per decoder layer outside its linears and attention core.
 
     Runs the rest of serving/model.py's decode block (keep the two in step) at
-    the model's shapes: two RMSNorms in fp32, rotary on q and k, the two cache
-    writes (``index_put_``), reshapes, SwiGLU's activation, residual adds. At
-    these sizes it is dispatch and small-kernel time, the part the bytes miss.
+    the model's shapes: two fused RMSNorms, rotary on q and k in place (mul,
+    roll, addcmul), the one cache write (``index_put_`` of K and V), the query
+    and output reshapes, SwiGLU's activation, residual adds. At these sizes it
+    is dispatch and small-kernel time, the part the bytes miss.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
-    q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    h, hkv, d = m.heads, m.kv_heads, m.head_dim
+    g, q_dim, kv_dim = h // hkv, h * d, hkv * d
     out: dict[int, float] = {}
     layers = 8
     for b in batches:
         x = torch.randn(b, 1, m.hidden, device=dev).to(dt)  # [B, 1, d]
         w = torch.ones(m.hidden, device=dev, dtype=dt)  # [d]
-        qf = torch.randn(b, 1, q_dim, device=dev).to(dt)  # [B, 1, H*D]
-        kf = torch.randn(b, 1, kv_dim, device=dev).to(dt)  # [B, 1, Hkv*D]
-        gate = torch.randn(b, 1, m.intermediate, device=dev).to(dt)  # [B, 1, I]
-        cos = torch.randn(b, 1, 1, m.head_dim, device=dev).to(dt)  # [B, 1, 1, D]
-        sin = torch.randn(b, 1, 1, m.head_dim, device=dev).to(dt)  # [B, 1, 1, D]
-        caches = [
-            torch.zeros(b, m.kv_heads, context, m.head_dim, device=dev, dtype=dt) for _ in range(2)
-        ]  # [S, Hkv, L, D]
-        heads = torch.arange(m.kv_heads, device=dev)
-        pos = torch.full((b, 1), 7, device=dev, dtype=torch.long)  # [B, 1]
-        index = (torch.arange(b, device=dev)[:, None, None], heads[None, None, :], pos[:, :, None])
-
-        def norm(h: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
-            hf = h.float()
-            hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)
-            return w * hf.to(h.dtype)
-
-        def rope(t: torch.Tensor, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> torch.Tensor:
-            t1, t2 = t.chunk(2, dim=-1)
-            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+        qkv = torch.randn(b, 1, q_dim + 2 * kv_dim, device=dev).to(dt)  # [B, 1, (H+2Hkv)*D]
+        gate_up = torch.randn(b, 1, 2 * m.intermediate, device=dev).to(dt)  # [B, 1, 2I]
+        attn = torch.randn(b * hkv, g, d, device=dev).to(dt)  # [B*Hkv, g, D] from the bmm
+        cos = torch.randn(b, 1, 1, d, device=dev).to(dt)  # [B, 1, 1, D]
+        sin = torch.randn(b, 1, 1, d, device=dev).to(dt)  # [B, 1, 1, D]
+        cache = torch.zeros(b, hkv, 2, context, d, device=dev, dtype=dt)  # [S, Hkv, 2, L, D]
+        rows = torch.arange(b * 2 * hkv, device=dev).view(b, 1, 2 * hkv) * context  # [B, 1, 2Hkv]
 
         def run(
             x: torch.Tensor = x,
-            qf: torch.Tensor = qf,
-            kf: torch.Tensor = kf,
-            gate: torch.Tensor = gate,
-            caches: list = caches,
-            index: tuple = index,
+            qkv: torch.Tensor = qkv,
+            gate_up: torch.Tensor = gate_up,
+            attn: torch.Tensor = attn,
+            cache: torch.Tensor = cache,
+            rows: torch.Tensor = rows,
+            cos: torch.Tensor = cos,
+            sin: torch.Tensor = sin,
+            w: torch.Tensor = w,
             b: int = b,
         ) -> None:
-            h = x
+            res = x
             for _ in range(layers):
-                n = norm(h)
-                q = rope(qf.view(b, 1, m.heads, m.head_dim))  # [B, 1, H, D]
-                k = rope(kf.view(b, 1, m.kv_heads, m.head_dim))  # [B, 1, Hkv, D]
-                caches[0].index_put_(index, k)
-                caches[1].index_put_(index, kf.view(b, 1, m.kv_heads, m.head_dim))
-                q.transpose(1, 2).reshape(b, m.kv_heads, -1, m.head_dim)
-                h = h + n
-                n = norm(h)
-                h = h + (torch.nn.functional.silu(gate) * gate)[..., : m.hidden]
+                n = F.rms_norm(res, (m.hidden,), w, 1e-5)
+                qk = qkv[..., : q_dim + kv_dim].unflatten(-1, (h + hkv, d))  # [B, 1, H+Hkv, D]
+                rolled = torch.roll(qk, d // 2, dims=-1)
+                torch.addcmul(qk * cos, rolled, sin, out=qk)
+                kv = qkv[..., q_dim:].unflatten(-1, (2 * hkv, d))  # [B, 1, 2Hkv, D]
+                cache.view(-1, d).index_put_((rows,), kv)
+                q = qkv[..., :q_dim].unflatten(-1, (h, d))  # [B, 1, H, D]
+                q.transpose(1, 2).reshape(b * hkv, g, d)  # [B*Hkv, g, D]
+                attn.view(b, h, 1, d).transpose(1, 2).reshape(b, 1, q_dim)  # [B, 1, H*D]
+                res = res + n
+                n = F.rms_norm(res, (m.hidden,), w, 1e-5)
+                gate, up = gate_up.chunk(2, dim=-1)  # [B, 1, I] each
+                F.silu(gate) * up
+                res = res + n
 
         out[b] = best_time(run, dev, reps, budget_s) / layers
         logger.info("%s layer overhead at B=%d: %.1f us", dtype, b, out[b] * 1e6)
@@ -239,36 +267,45 @@ def measure_step_overhead(
     batches: Sequence[int],
     reps: int,
     budget_s: float = 0.0,
+    context: int = 256,
 ) -> dict[int, float]:
     """batch -> seconds per step outside the layers and the lm_head matmul.
 
-    serving/model.py's prologue and epilogue (keep in step): embedding lookup,
-    rotary table lookups cast to the dtype, the position mask, the final RMSNorm,
-    fp32 logits, and a greedy argmax.
+    serving/model.py's prologue and epilogue and serving/executor.py's decode
+    (keep in step): the input tensors, embedding lookup, rotary table lookups,
+    the cache rows and the additive mask, the final RMSNorm, fp32 logits, a
+    greedy argmax and the tokens back to Python.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
+    hkv = m.kv_heads
     emb = torch.empty(m.vocab, m.hidden, device=dev, dtype=dt).normal_()  # [V, d]
-    table = torch.randn(2048, m.head_dim, device=dev)  # [P, D] fp32
+    cos_t = torch.randn(2048, m.head_dim, device=dev).to(dt)  # [P, D]
+    sin_t = torch.randn(2048, m.head_dim, device=dev).to(dt)  # [P, D]
     w = torch.ones(m.hidden, device=dev, dtype=dt)  # [d]
     out: dict[int, float] = {}
     for b in batches:
-        tokens = torch.randint(0, m.vocab, (b, 1), device=dev)  # [B, 1]
-        pos = torch.full((b, 1), 100, device=dev, dtype=torch.long)  # [B, 1]
+        token_list = [int(t) for t in torch.randint(0, m.vocab, (b,))]
+        pos_list = [context - 1] * b
         logits = torch.randn(b, m.vocab, device=dev).to(dt)  # [B, V], as the lm_head gives
 
-        def run(
-            tokens: torch.Tensor = tokens, pos: torch.Tensor = pos, logits: torch.Tensor = logits
-        ) -> None:
+        def run(token_list: list = token_list, pos_list: list = pos_list, logits=logits) -> None:
+            tokens = torch.tensor(token_list, device=dev)[:, None]  # [B, 1]
+            pos = torch.tensor(pos_list, device=dev)[:, None]  # [B, 1]
+            slots = torch.arange(len(token_list), device=dev)  # [B]
             x = F.embedding(tokens, emb)  # [B, 1, d]
-            table[pos].to(dt)[:, :, None, :]  # cos [B, 1, 1, D]
-            table[pos].to(dt)[:, :, None, :]  # sin
-            key_pos = torch.arange(256, device=dev)
-            torch.gt(key_pos, pos[:, None, None, :, None])  # [B, 1, 1, 1, L]
-            xf = x[:, -1].float()
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
-            w * xf.to(dt)
-            logits.float().argmax(dim=-1)  # [B]
+            cos_t[pos][:, :, None, :]  # cos [B, 1, 1, D]
+            sin_t[pos][:, :, None, :]  # sin
+            j = torch.arange(2, device=dev)[:, None]  # [2, 1]
+            hh = torch.arange(hkv, device=dev)[None, :]  # [1, Hkv]
+            base = slots * (hkv * 2 * context)  # [B]
+            rows = base[:, None, None, None] + (hh * 2 + j) * context + pos[:, :, None, None]
+            rows.flatten(2)  # [B, 1, 2*Hkv]
+            key_pos = torch.arange(context, device=dev)  # [L]
+            hidden = key_pos > pos[:, None, None, :, None]  # [B, 1, 1, 1, L]
+            torch.zeros(hidden.shape, device=dev).masked_fill_(hidden, float("-inf"))
+            F.rms_norm(x[:, -1], (m.hidden,), w, 1e-5)  # [B, d]
+            logits.float().argmax(dim=-1).tolist()  # [B]
 
         out[b] = best_time(run, dev, reps, budget_s)
         logger.info("%s step overhead at B=%d: %.1f us", dtype, b, out[b] * 1e6)

@@ -29,9 +29,27 @@ from search.roofline import Roofline
 TINY = ModelSpec.from_name("slotune-tiny")
 
 
+BEFORE_THREADS = torch.get_num_threads()
+OTHER_THREADS = 1 if BEFORE_THREADS > 1 else 2
+
+
 @pytest.fixture(scope="module")
 def quick():  # one quick calibration shared by the tests below (a few seconds)
-    return calibrate(device="cpu", plan=PLANS["quick"], model=TINY, dtypes=("fp32", "bf16"))
+    return calibrate(
+        device="cpu",
+        plan=PLANS["quick"],
+        model=TINY,
+        dtypes=("fp32", "bf16"),
+        threads=OTHER_THREADS,
+    )
+
+
+def test_calibration_runs_at_the_threads_asked_and_restores(quick) -> None:
+    assert quick.measured["threads"] == OTHER_THREADS
+    assert f"{OTHER_THREADS} threads" in quick.spec.source
+    assert torch.get_num_threads() == BEFORE_THREADS
+    with pytest.raises(ValueError, match="threads=0: must be a positive integer"):
+        calibrate(device="cpu", plan=PLANS["quick"], model=TINY, threads=0)
 
 
 def test_quick_calibration_measures_every_figure(quick) -> None:
@@ -103,6 +121,9 @@ def test_cache_path_names_host_and_device(monkeypatch: pytest.MonkeyPatch, tmp_p
     p = default_cache_path(torch.device("cpu"))
     assert p.parent == tmp_path / "slotune"
     assert p.name.startswith("hardware-") and "-cpu-" in p.name and p.suffix == ".json"
+    one = default_cache_path(torch.device("cpu"), threads=1)
+    assert one.parent == p.parent and one.name == f"{p.stem}-1t.json"
+    assert default_cache_path(torch.device("cpu"), threads=2) != one
 
 
 def test_monotone_rates_let_no_larger_batch_be_faster() -> None:
@@ -133,8 +154,11 @@ def test_quick_calibration_on_cuda() -> None:
 def test_big_models_are_timed_on_the_layers_that_fit() -> None:
     from search.decode_shapes import MAX_WORKING_SET_BYTES, _linear_shapes
 
-    small = _linear_shapes(ModelSpec.from_name("slotune-small"))
-    assert len(small) == 12 * 7 + 1  # every linear and the lm_head
+    spec = ModelSpec.from_name("slotune-small")
+    small = _linear_shapes(spec)
+    assert len(small) == 12 * 4 + 1  # every (fused) linear and the lm_head
+    assert small[0] == (768 + 2 * 256, 768) and small[2] == (2 * 2048, 768)
+    assert sum(o * i for o, i in small) == spec.matmul_params  # every weight, once
     big = _linear_shapes(ModelSpec.from_name("llama-3.1-8b"))
-    assert 7 <= len(big) < 32 * 7 and len(big) % 7 == 0
+    assert 4 <= len(big) < 32 * 4 and len(big) % 4 == 0
     assert sum(o * i for o, i in big) * 2 <= MAX_WORKING_SET_BYTES
