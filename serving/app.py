@@ -4,14 +4,16 @@
 :func:`app`, an application builder: the config's ``args`` become
 :class:`ServerArgs` (changing them rebuilds the replica) and the deployment's
 ``user_config`` becomes :class:`LiveConfig`, applied in place by
-``reconfigure`` (batch limit and SLO thresholds, no restart).
+``reconfigure`` (batch limit and SLO thresholds, no restart); both live in
+serving/server_config.py.
 
 Routes (relative to the route prefix):
 
 - ``POST /v1/completions``: OpenAI completions, SSE with ``stream: true``.
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while the engine's step loop is alive.
-- ``GET /stats``: engine stats, pid and the applied live config (JSON).
+- ``GET /stats``: engine stats, pid, the applied live config, and what the process
+  runs with (torch threads, OMP_WAIT_POLICY, the engine thread's niceness) (JSON).
 
 Bad input is a 400 with an OpenAI-style JSON error body. Admission control is
 Ray Serve's: ``max_ongoing_requests`` per replica, and beyond
@@ -24,134 +26,39 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from metrics import names
-from metrics.observation import Slo
 from serving import openai_api as oa
 from serving.serve_metrics import GaugeRefresher, ServeMetrics
+from serving.server_config import (
+    DEFAULT_STREAM_INTERVAL_S,
+    DEPLOYMENT_NAME,
+    KV_NAMESPACE,
+    LiveConfig,
+    ServerArgs,
+    set_omp_wait_policy,
+)
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENT_NAME = "CompletionServer"
-MODEL_PRESETS = ("tiny", "small")
-DEVICES = ("cpu", "cuda")
-# Where replicas publish the live config they applied (Ray's internal KV):
-# key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
-KV_NAMESPACE = "slotune"
-DEFAULT_STREAM_INTERVAL_S = 0.02
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_pos_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerArgs:
-    """What a replica is built with (the application ``args``): a change restarts it."""
-
-    model: str = "tiny"
-    max_slots: int = 64  # KV-cache slots: the largest batch the replica can ever run
-    device: str = "cpu"
-    checkpoint: str | None = None  # local HF-layout directory, or None for random weights
-    max_len: int | None = None  # context per slot (prompt + output); None: the engine's default
-    seed: int = 0
-    torch_threads: int = 1  # Ray sets OMP_NUM_THREADS=1 in actors: choose deliberately
-    served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
-    # Streamed text is sent at most this often per request (the first token at
-    # once); a step slower than this is never delayed. See openai_api.py.
-    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S
-
-    def __post_init__(self) -> None:
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model={self.model!r}: must be one of {MODEL_PRESETS}")
-        if not _is_int(self.max_slots) or self.max_slots < 1:
-            raise ValueError(f"max_slots={self.max_slots!r}: must be a positive integer")
-        if self.device.split(":")[0] not in DEVICES:
-            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
-        if self.max_len is not None and (not _is_int(self.max_len) or self.max_len < 2):
-            raise ValueError(f"max_len={self.max_len!r}: must be an integer >= 2 or None")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r}: must be an integer")
-        s = self.stream_interval_s
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 1:
-            raise ValueError(f"stream_interval_s={s!r}: must be a number of seconds in [0, 1]")
-        if not _is_int(self.torch_threads) or self.torch_threads < 1:
-            raise ValueError(f"torch_threads={self.torch_threads!r}: must be a positive integer")
-
-    @property
-    def served_name(self) -> str:
-        return self.served_model_name or f"slotune-{self.model}"
-
-    @classmethod
-    def from_args(cls, args: dict[str, Any] | None) -> ServerArgs:
-        args = dict(args or {})
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(args) - allowed)
-        if unknown:
-            raise ValueError(f"unknown app args {unknown}; allowed: {sorted(allowed)}")
-        return cls(**args)
-
-    def to_args(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-@dataclass(frozen=True, kw_only=True)
-class LiveConfig:
-    """The deployment's ``user_config``: applied in place by ``reconfigure``.
-
-    ``max_ongoing_requests`` mirrors the deployment option of the same name (Ray
-    applies that one itself); carrying it here makes ``reconfigure`` run when it
-    changes, so the replica can confirm the update (serving/deploy.py waits on it).
-    ``version`` is a nonce that makes each update distinguishable.
-    """
-
-    max_batch_size: int
-    ttft_slo_s: float = names.DEFAULT_TTFT_SLO_S
-    tpot_slo_s: float = names.DEFAULT_TPOT_SLO_S
-    max_ongoing_requests: int | None = None
-    version: str = ""
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size={self.max_batch_size!r}: must be a positive integer")
-        for name in ("ttft_slo_s", "tpot_slo_s"):
-            if not _is_pos_number(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive number")
-        m = self.max_ongoing_requests
-        if m is not None and (not _is_int(m) or m < 1):
-            raise ValueError(f"max_ongoing_requests={m!r}: must be a positive integer")
-
-    @property
-    def slo(self) -> Slo:
-        return Slo(ttft_p99_s=self.ttft_slo_s, tpot_p99_s=self.tpot_slo_s)
-
-    @classmethod
-    def from_user_config(cls, config: dict[str, Any]) -> LiveConfig:
-        if not isinstance(config, dict):
-            raise ValueError(f"user_config={config!r}: must be a mapping")
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - allowed)
-        if unknown:
-            raise ValueError(f"unknown user_config keys {unknown}; allowed: {sorted(allowed)}")
-        return cls(**config)
-
-    def to_user_config(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+# Re-exported: serving/deploy.py, the controller and tests import them from here.
+__all__ = [
+    "DEFAULT_STREAM_INTERVAL_S",
+    "DEPLOYMENT_NAME",
+    "KV_NAMESPACE",
+    "CompletionServer",
+    "LiveConfig",
+    "ServerArgs",
+    "app",
+]
 
 
 def _json_error(e: oa.ApiError) -> JSONResponse:
@@ -170,11 +77,11 @@ class CompletionServer:
     """One replica: an :class:`serving.engine.AsyncEngine` behind OpenAI routes."""
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its pool
+        self.args = ServerArgs.from_args(args)
+        set_omp_wait_policy(self.args.omp_wait_policy)  # before torch loads OpenMP
         from serving.async_engine import AsyncEngine
         from serving.config import ModelConfig
 
-        self.args = ServerArgs.from_args(args)
         self.live = LiveConfig(max_batch_size=min(8, self.args.max_slots))
         self.created = int(time.time())
         self.pid = os.getpid()
@@ -251,6 +158,21 @@ class CompletionServer:
             "args": self.args.to_args(),
         }
 
+    def runtime(self) -> dict[str, Any]:
+        """What the replica's process actually runs with (threads, OpenMP, niceness).
+
+        Niceness is per thread on Linux: this is the engine thread's (Ray renices
+        its workers to 15 unless ``RAY_worker_niceness=0``; serving/deploy.py).
+        """
+        import torch
+
+        tid = self.engine.native_thread_id
+        return {
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "engine_thread_niceness": None if tid is None else os.getpriority(os.PRIO_PROCESS, tid),
+        }
+
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats()
         return {
@@ -259,6 +181,7 @@ class CompletionServer:
             "kv_usage": s.kv_usage,
             "max_batch_size": s.max_batch_size,
             **self.state(),
+            "runtime": self.runtime(),
         }
 
     def check_health(self) -> None:

@@ -110,6 +110,11 @@ class AsyncEngine:
             self._thread.join(timeout=30)
         self._deliver([(rid, RuntimeError("the engine stopped")) for rid in list(self._streams)])
 
+    @property
+    def native_thread_id(self) -> int | None:
+        """The engine thread's OS thread id (None before ``start``)."""
+        return None if self._thread is None else self._thread.native_id
+
     def validate(self, prompt_ids: list[int], max_tokens: object) -> None:
         self.engine.validate(prompt_ids, max_tokens)
 

@@ -45,13 +45,21 @@ DEFAULT_APP_NAME = "slotune"
 POLL_S = 0.1
 
 
-# Process environment for a Ray driver on a small machine (shared/FIELD-NOTES.md):
-# no usage stats, metrics exported every second (the minimum), passive OpenMP waits
-# (spinning torch threads starve the other processes on 2 cores).
+# Process environment for a Ray driver on a small machine (shared/FIELD-NOTES.md);
+# Ray's processes inherit it:
+# - no usage stats; metrics exported every second (the minimum);
+# - OMP_WAIT_POLICY=PASSIVE: spinning torch threads starve the other processes on
+#   2 cores (a replica's own policy is ServerArgs.omp_wait_policy);
+# - RAY_worker_niceness=0: Ray renices every worker process (replicas, the HTTP
+#   proxy) to 15 by default, so any ordinary process on the machine takes the CPU
+#   from the replica first; an SLO-serving replica whose latency the tuner measures
+#   must compete on equal terms (measured: the engine thread ran at nice 15 while
+#   the benchmark's in-process engine ran at 0).
 RAY_ENV_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",
     "OMP_WAIT_POLICY": "PASSIVE",
+    "RAY_worker_niceness": "0",
 }
 
 
@@ -200,6 +208,7 @@ def deploy_app(
     seed: int = 0,
     torch_threads: int = 1,
     stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+    omp_wait_policy: str | None = None,
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 120.0,
@@ -208,7 +217,8 @@ def deploy_app(
 
     Ray must be initialised; Serve is started on loopback if it is not running.
     Changing ``model``/``max_slots``/``device``/``checkpoint``/``max_len``/``seed``/
-    ``torch_threads``/``stream_interval_s`` rebuilds the replicas; the knobs alone update in place.
+    ``torch_threads``/``stream_interval_s``/``omp_wait_policy`` rebuilds the replicas; the
+    knobs alone update in place.
     """
     slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
     args = ServerArgs(
@@ -220,6 +230,7 @@ def deploy_app(
         seed=seed,
         torch_threads=torch_threads,
         stream_interval_s=stream_interval_s,
+        omp_wait_policy=omp_wait_policy,
     )
     live = LiveConfig(
         max_batch_size=max_batch_size,

@@ -1,0 +1,159 @@
+"""What a completion server replica is built with, and the knobs it takes live.
+
+:class:`ServerArgs` are the application ``args`` (a change rebuilds the replica);
+:class:`LiveConfig` is the deployment's ``user_config``, applied in place by the
+replica's ``reconfigure``. Pure: no Ray, no torch (serving/app.py hosts them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from metrics import names
+from metrics.observation import Slo
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENT_NAME = "CompletionServer"
+MODEL_PRESETS = ("tiny", "small")
+DEVICES = ("cpu", "cuda")
+OMP_WAIT_POLICIES = ("passive", "active")
+# Where replicas publish the live config they applied (Ray's internal KV):
+# key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
+KV_NAMESPACE = "slotune"
+DEFAULT_STREAM_INTERVAL_S = 0.02
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_pos_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    """What a replica is built with (the application ``args``): a change restarts it."""
+
+    model: str = "tiny"
+    max_slots: int = 64  # KV-cache slots: the largest batch the replica can ever run
+    device: str = "cpu"
+    checkpoint: str | None = None  # local HF-layout directory, or None for random weights
+    max_len: int | None = None  # context per slot (prompt + output); None: the engine's default
+    seed: int = 0
+    torch_threads: int = 1  # Ray sets OMP_NUM_THREADS=1 in actors: choose deliberately
+    # OpenMP's idle policy for torch's worker threads, set before torch loads; it only
+    # matters with torch_threads > 1. "passive": idle workers sleep (the safe choice
+    # when other processes share the cores: spinning workers once made steps up to
+    # 100x slower); "active": they spin (about 2x faster 2-thread steps on cores the
+    # replica has to itself, measured on a quiet machine). None keeps the process
+    # environment's OMP_WAIT_POLICY, and PASSIVE when it has none.
+    omp_wait_policy: str | None = None
+    served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
+    # Streamed text is sent at most this often per request (the first token at
+    # once); a step slower than this is never delayed. See openai_api.py.
+    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model={self.model!r}: must be one of {MODEL_PRESETS}")
+        if not _is_int(self.max_slots) or self.max_slots < 1:
+            raise ValueError(f"max_slots={self.max_slots!r}: must be a positive integer")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
+        if self.max_len is not None and (not _is_int(self.max_len) or self.max_len < 2):
+            raise ValueError(f"max_len={self.max_len!r}: must be an integer >= 2 or None")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r}: must be an integer")
+        s = self.stream_interval_s
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 1:
+            raise ValueError(f"stream_interval_s={s!r}: must be a number of seconds in [0, 1]")
+        if not _is_int(self.torch_threads) or self.torch_threads < 1:
+            raise ValueError(f"torch_threads={self.torch_threads!r}: must be a positive integer")
+        p = self.omp_wait_policy
+        if p is not None and p not in OMP_WAIT_POLICIES:
+            raise ValueError(f"omp_wait_policy={p!r}: must be one of {OMP_WAIT_POLICIES} or None")
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or f"slotune-{self.model}"
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> ServerArgs:
+        args = dict(args or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - allowed)
+        if unknown:
+            raise ValueError(f"unknown app args {unknown}; allowed: {sorted(allowed)}")
+        return cls(**args)
+
+    def to_args(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveConfig:
+    """The deployment's ``user_config``: applied in place by ``reconfigure``.
+
+    ``max_ongoing_requests`` mirrors the deployment option of the same name (Ray
+    applies that one itself); carrying it here makes ``reconfigure`` run when it
+    changes, so the replica can confirm the update (serving/deploy.py waits on it).
+    ``version`` is a nonce that makes each update distinguishable.
+    """
+
+    max_batch_size: int
+    ttft_slo_s: float = names.DEFAULT_TTFT_SLO_S
+    tpot_slo_s: float = names.DEFAULT_TPOT_SLO_S
+    max_ongoing_requests: int | None = None
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size!r}: must be a positive integer")
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            if not _is_pos_number(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive number")
+        m = self.max_ongoing_requests
+        if m is not None and (not _is_int(m) or m < 1):
+            raise ValueError(f"max_ongoing_requests={m!r}: must be a positive integer")
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(ttft_p99_s=self.ttft_slo_s, tpot_p99_s=self.tpot_slo_s)
+
+    @classmethod
+    def from_user_config(cls, config: dict[str, Any]) -> LiveConfig:
+        if not isinstance(config, dict):
+            raise ValueError(f"user_config={config!r}: must be a mapping")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - allowed)
+        if unknown:
+            raise ValueError(f"unknown user_config keys {unknown}; allowed: {sorted(allowed)}")
+        return cls(**config)
+
+    def to_user_config(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+
+
+def set_omp_wait_policy(policy: str | None) -> str:
+    """Set ``OMP_WAIT_POLICY`` for this process (None: keep it, PASSIVE if unset).
+
+    OpenMP reads it once, when torch loads it: a replica calls this before it
+    imports torch. Returns the value in force.
+    """
+    if policy is not None:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    else:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "torch" in sys.modules:
+        logger.warning(
+            "torch was imported before OMP_WAIT_POLICY=%s was set: the policy may not apply",
+            os.environ["OMP_WAIT_POLICY"],
+        )
+    return os.environ["OMP_WAIT_POLICY"]
