@@ -162,6 +162,7 @@ def tune(
             model_tpot_s=searched["roofline"].step_time_s,
             seed=seed,
         )
+        plan = _fit_to_scrapes(plan, setup.reader, quiet=quiet)
         target = RayServeTarget(
             url=setup.url, app_name=setup.app, slo=slo, reader=setup.reader, plan=plan, shape=shape
         )
@@ -219,6 +220,30 @@ def _price(given: float | None, *, embedded: bool) -> tuple[float | None, str]:
         if found is not None:
             return found
     return None, "not given"
+
+
+def _fit_to_scrapes(plan: Any, reader: Any, *, quiet: bool) -> Any:
+    """Through a Prometheus server, a window must span ``reader.min_scrapes`` scrapes (else
+    it is stale and judged by nobody): lengthen the least window to that, and wait for a
+    fresh sample up to three scrape intervals."""
+    from controller.targets import PromQLWindow
+
+    if not isinstance(reader, PromQLWindow):
+        return plan
+    interval = reader.scrape_interval_s()
+    if interval is None:
+        return plan
+    reader.fresh_timeout_s = max(reader.fresh_timeout_s, 3 * interval)
+    need = reader.min_scrapes * interval + reader.report_lag_s
+    if plan.window_s >= need:
+        return plan
+    if not quiet:
+        typer.echo(
+            f"slotune: Prometheus scrapes every {interval:g} s: windows of at least {need:g} s "
+            f"(--window {plan.window_s:g} was too short to judge)",
+            err=True,
+        )
+    return replace(plan, window_s=need, max_window_s=max(plan.max_window_s, need))
 
 
 def _prepare_or_exit(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:

@@ -7,6 +7,8 @@ saturating closed loop at the candidate's admission limit, and the window's
 :class:`~metrics.observation.Observation` is read from Prometheus-format metrics
 (Ray's metrics export port scraped directly, or a Prometheus server). The
 load generator's own view of the same window rides along as a cross-check.
+The window readers live in ``controller/windows.py``, the failure types in
+``controller/target_errors.py``; both are importable from here.
 
 The simulator target (``controller/sim_target.py``) implements the same protocol.
 """
@@ -30,17 +32,25 @@ from controller.loadgen import (
     run_load,
     saturating_spec,
 )
+from controller.target_errors import TargetError, TargetUnavailable
+from controller.windows import PromQLWindow, ScrapeWindow, WindowReader
 from metrics.observation import Observation, Slo
 
 log = logging.getLogger(__name__)
 
-
-class TargetUnavailable(RuntimeError):
-    """A transient failure (metrics endpoint down, a timeout): the loop retries the window."""
-
-
-class TargetError(RuntimeError):
-    """A permanent failure (the deployment is gone, an update was refused): stop the run."""
+__all__ = [
+    "Measurement",
+    "PromQLWindow",
+    "RayServeTarget",
+    "RequestShape",
+    "ScrapeWindow",
+    "Target",
+    "TargetError",
+    "TargetUnavailable",
+    "WindowPlan",
+    "WindowReader",
+    "measure_window",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,54 +121,6 @@ class RequestShape:
     model: str | None = None  # None: the server's default model
     request_timeout_s: float = 60.0
     seed: int = 0
-
-
-class WindowReader(Protocol):
-    """Reads the server-side Observation of [begin, end] from a metrics source."""
-
-    def begin(self) -> Any: ...
-
-    def end(self, token: Any, *, start_s: float, end_s: float) -> Observation: ...
-
-
-class ScrapeWindow:
-    """Two scrapes of a Prometheus text endpoint (``metrics.sources.ScrapeSource``)."""
-
-    def __init__(self, source: Any) -> None:
-        self.source = source
-
-    def begin(self) -> Any:
-        return _transient(self.source.snapshot)
-
-    def end(self, token: Any, *, start_s: float, end_s: float) -> Observation:
-        snap = _transient(self.source.snapshot)
-        return _transient(lambda: self.source.observe(token, snap))
-
-
-class PromQLWindow:
-    """A range query to a Prometheus server (``metrics.sources.PromQLSource``), made after
-    waiting ``lag_s`` (two scrape intervals) so the window's last samples are stored."""
-
-    def __init__(self, source: Any, *, lag_s: float = 2.0) -> None:
-        self.source = source
-        self.lag_s = lag_s
-
-    def begin(self) -> Any:
-        return None
-
-    def end(self, token: Any, *, start_s: float, end_s: float) -> Observation:
-        time.sleep(self.lag_s)
-        return _transient(lambda: self.source.observe_range(window_s=end_s - start_s, end_s=end_s))
-
-
-def _transient(fn: Any) -> Any:
-    """Call ``fn``; a ``MetricsUnavailable`` (or a connection error) becomes TargetUnavailable."""
-    from metrics.sources import MetricsUnavailable
-
-    try:
-        return fn()
-    except (MetricsUnavailable, OSError) as e:
-        raise TargetUnavailable(f"metrics unavailable: {e}") from e
 
 
 async def measure_window(

@@ -226,7 +226,9 @@ def run_tune(
             told = tuner.report(knobs, m.observation)
             number = int(getattr(told, "number", len(records)))
             feasible = bool(getattr(told, "feasible", m.observation.feasible))
-            note = m.note or str(getattr(told, "reason", "") or "")
+            why = str(getattr(told, "reason", "") or "")
+            # the tuner's reason, then what the metrics source said (why stale or thin)
+            note = m.note or "; ".join(x for x in (why, m.observation.note) if x)
             rec = TrialRecord.from_observation(
                 number=number,
                 knobs=knobs,

@@ -451,19 +451,72 @@ def test_scrape_window_turns_an_unreachable_endpoint_into_a_transient_error() ->
         ScrapeWindow(src).begin()
 
 
-def test_promql_window_queries_the_measured_window_after_the_lag() -> None:
+class _PromSrc:
+    """A PromQLSource stand-in: Prometheus stores a sample every ``scrape_s`` of the clock."""
+
+    url = "http://prom"
+    prefix = "ray_"
+    selector = {"application": "app"}
+
+    def __init__(self, clock: Clock, *, scrape_s: float = 1.0, first_s: float = 0.0) -> None:
+        self.clock, self.scrape_s, self.first_s = clock, scrape_s, first_s
+        self.ranges: list[tuple[float, float]] = []
+        self.queries: list[str] = []
+
+    def query(self, expr: str, *, at: float):
+        self.queries.append(expr)
+        last = math.floor(min(at, self.clock.t) / self.scrape_s) * self.scrape_s
+        if last < self.first_s:
+            return []
+        if expr.startswith("max(timestamp("):
+            return [({}, last)]
+        assert expr.startswith("count_over_time(") and 'application="app"' in expr
+        window = float(expr.rsplit("[", 1)[1].rstrip("ms])")) / 1000
+        return [({"slo_met": "true"}, window // self.scrape_s)]
+
+    def observe_range(self, *, window_s: float, end_s: float) -> Observation:
+        self.ranges.append((window_s, end_s))
+        return Observation(start_s=end_s - window_s, end_s=end_s, completed=9, slo_met=9)
+
+
+def _prom_window(src: _PromSrc, clock: Clock, **kw):
     from controller.targets import PromQLWindow
 
-    calls = []
+    def sleep(s: float) -> None:
+        clock.t += s
 
-    class Src:
-        def observe_range(self, *, window_s, end_s):
-            calls.append((window_s, end_s))
-            return Observation(start_s=end_s - window_s, end_s=end_s, completed=1, slo_met=1)
+    return PromQLWindow(src, clock=clock, sleep=sleep, poll_s=0.5, **kw)
 
-    w = PromQLWindow(Src(), lag_s=0.0)
+
+def test_promql_window_waits_for_a_sample_after_the_window_then_reads_it_shifted() -> None:
+    clock = Clock()
+    clock.t = 112.5  # the window [100, 112.5] just ended; Prometheus has up to t=112
+    src = _PromSrc(clock, scrape_s=1.0)
+    w = _prom_window(src, clock, report_lag_s=1.0)
     obs = w.end(w.begin(), start_s=100.0, end_s=112.5)
-    assert calls == [(12.5, 112.5)] and obs.window_s == 12.5
+    assert clock.t >= 113.5  # waited for a scrape after end + the exporter's lag
+    assert src.ranges == [(12.5, 113.5)] and obs.window_s == 12.5
+    assert not obs.stale
+
+
+def test_promql_window_without_fresh_samples_is_unavailable_not_judged() -> None:
+    clock = Clock()
+    clock.t = 50.0
+    src = _PromSrc(clock, first_s=1e9)  # the series never shows up
+    w = _prom_window(src, clock, fresh_timeout_s=5.0)
+    with pytest.raises(TargetUnavailable, match="no sample at all"):
+        w.end(None, start_s=40.0, end_s=50.0)
+    assert src.ranges == [] and clock.t <= 50.0 + 1.0 + 5.0 + 0.5
+
+
+def test_a_window_of_too_few_scrapes_is_stale() -> None:
+    clock = Clock()
+    clock.t = 20.0
+    src = _PromSrc(clock, scrape_s=5.0)  # deploy/prometheus/prometheus.yml's interval
+    w = _prom_window(src, clock, fresh_timeout_s=30.0, min_scrapes=3)
+    obs = w.end(None, start_s=12.0, end_s=20.0)  # 8 s: one or two scrapes
+    assert obs.stale and "scrape(s) in the 8.0 s window" in obs.note
+    assert not obs.feasible
 
 
 def test_export_of_a_bare_tuner_study(tmp_path: Path) -> None:
@@ -510,3 +563,22 @@ def test_cli_export_with_a_price_adds_the_cost_and_says_where_it_came_from(
     assert priced["operating_point"]["usd_per_million_tokens"] == pytest.approx(2 * per_dollar)
     assert priced["meta"]["price"].startswith("--price-per-hour")
     assert "At $2/h" in (tmp_path / "p" / "report.html").read_text()
+
+
+def test_windows_are_lengthened_to_span_enough_scrapes(capsys) -> None:
+    from controller.cli_tune import _fit_to_scrapes
+    from controller.targets import PromQLWindow, ScrapeWindow, WindowPlan
+
+    class Every5s(PromQLWindow):
+        def scrape_interval_s(self) -> float:
+            return 5.0  # deploy/prometheus/prometheus.yml
+
+    plan = WindowPlan(warmup_s=1.0, window_s=5.0, max_window_s=10.0)
+    reader = Every5s(None, report_lag_s=1.0, min_scrapes=3, fresh_timeout_s=10.0)
+    fitted = _fit_to_scrapes(plan, reader, quiet=False)
+    assert fitted.window_s == 16.0 and fitted.max_window_s == 16.0
+    assert reader.fresh_timeout_s == 15.0
+    assert "every 5 s" in capsys.readouterr().err
+    long = WindowPlan(window_s=20.0, max_window_s=30.0)
+    assert _fit_to_scrapes(long, reader, quiet=True) == long
+    assert _fit_to_scrapes(plan, ScrapeWindow(None), quiet=True) == plan

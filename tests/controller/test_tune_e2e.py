@@ -143,3 +143,36 @@ def test_missing_app_is_bad_input(tiny_app, tmp_path: Path, capsys) -> None:
         capsys,
     )  # fmt: skip
     assert code == 2 and "no-such-app" in err and APP in err
+
+
+@pytest.mark.prometheus
+def test_tune_through_a_real_prometheus(
+    tiny_app, prometheus_server, tmp_path: Path, capsys
+) -> None:
+    """--prometheus-url: Prometheus (1 s scrapes) reads Ray's export port; two short trials
+    are judged from PromQL on fresh data only, and agree with the load generator."""
+    prometheus_server.add_target("tune-e2e-ray", f"127.0.0.1:{tiny_app.metrics_port}")
+    out = tmp_path / "out"
+    argv = [
+        "tune", "--app", APP, "--prometheus-url", prometheus_server.url, "--model", "tiny",
+        *SLO_ARGS, "--max-trials", "2", "--time-budget", "90", "--warmup", "1",
+        "--window", "6", "--max-window", "20", "--min-requests", "300",
+        "--prompt-tokens", "16", "--output-tokens", "4", "--max-slots", "32",
+        "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    code, _, err = _cli(argv, capsys)
+    assert code in (0, 3), f"exit {code}: {err[-2000:]}"  # a verdict either way
+    d = json.loads((out / "curve.json").read_text())
+    assert d["meta"]["metrics"] == f"Prometheus {prometheus_server.url}"
+    trials = d["trials"]
+    assert 1 <= len(trials) <= 2
+    for t in trials:
+        assert t["source"].startswith("promql "), t
+        assert "stale" not in t["note"], t  # judged on fresh samples, never on stale ones
+        assert t["ttft_verdict"] in ("met", "violated", "insufficient")
+        assert t["completed"] > 0 and t["client_completed"] > 0
+        # Prometheus saw the window the load generator measured (shifted by Ray's 1 s
+        # report interval, extrapolated by increase()): the counts agree to within 25 %.
+        assert t["completed"] == pytest.approx(t["client_completed"], rel=0.25), t
+    if code == 0:
+        assert d["operating_point"]["verdict"] == "met"
