@@ -59,7 +59,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from serving.step_plan import DecodeEntry, Finished, PrefillChunk, RequestTiming, StepPlan
+from serving.step_plan import (
+    DecodeEntry,
+    Finished,
+    PrefillChunk,
+    RequestTiming,
+    SchedulerConfig,
+    SeqRequest,
+    StepPlan,
+    _is_int,
+)
 
 __all__ = [
     "DecodeEntry",
@@ -73,54 +82,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Capacity of one engine.
-
-    max_slots: KV-cache slots (sequences that can hold a cache at once).
-    max_batch_size: running-set limit (the tuning knob), 1..max_slots.
-    max_len: context length of a slot: prompt + max_tokens must fit.
-    prefill_chunk: prompt tokens prefilled per step, over all requests.
-    """
-
-    max_slots: int
-    max_batch_size: int
-    max_len: int
-    prefill_chunk: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("max_slots", "max_batch_size", "max_len", "prefill_chunk"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"{name}={v!r}: must be a positive integer")
-        if self.max_batch_size > self.max_slots:
-            raise ValueError(
-                f"max_batch_size={self.max_batch_size}: must be at most max_slots={self.max_slots}"
-            )
-        if self.max_len < 2:
-            raise ValueError(f"max_len={self.max_len}: must be at least 2")
-
-
-@dataclass(kw_only=True)
-class SeqRequest:
-    """One generation request as the scheduler sees it.
-
-    ``prompt_ids`` is optional (the simulator has none); when given its length
-    must equal ``prompt_len`` and the plan carries the ids to the executor.
-    """
-
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    arrival_s: float
-    prompt_ids: tuple[int, ...] | None = None
-    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(kw_only=True, eq=False, slots=True)
@@ -172,6 +133,7 @@ class Scheduler:
         self._ends: list[tuple[int, int, _Seq]] = []  # (step of its last token, order, seq)
         self._step = 0  # updates applied: the index of the next plan
         self._admitted = 0
+        self._saw_tokens = False  # update got tokens: a skipped step would lose one
         self._free: list[int] = list(range(config.max_slots))  # a min-heap
         self._clock = float("-inf")  # latest time seen, for admission without now_s
 
@@ -332,6 +294,8 @@ class Scheduler:
                 firsts.append((i, s))
                 first_at[c.request_id] = i
         done: list[tuple[tuple[int, int], Finished]] = []
+        if sampled:
+            self._saw_tokens = True
         for rid, tok in sampled.items():
             s = running.get(rid)
             if s is None:
@@ -394,6 +358,40 @@ class Scheduler:
         )
         out = () if s.tokens is None else tuple(t for t in s.tokens if t is not None)
         return Finished(request_id=rid, reason=reason, timing=timing, output_ids=out)
+
+    # ---- runs of decode-only steps (the simulator's fast path) -------------------
+    def decode_run(self) -> tuple[int, int, int]:
+        """``(steps, batch, kv_tokens)``: the next ``steps`` plans decode the same ``batch``
+        sequences and nothing else, the first reading ``kv_tokens`` cached tokens and each
+        next one ``batch`` more, and no request finishes in their updates, as long as no
+        request is added or aborted meanwhile. ``steps`` is 0 when the next plan prefills
+        or admits, nothing decodes, or tokens were handed to ``update`` (an engine)."""
+        n = len(self._decoding)
+        if (
+            not n
+            or self._prefilling
+            or self._saw_tokens
+            or (self._waiting and self._free and len(self._running) < self._max_batch_size)
+        ):
+            return 0, n, 0
+        ends = self._ends
+        while self._decoding.get(ends[0][2].req.request_id) is not ends[0][2]:
+            heapq.heappop(ends)  # aborted: every decoding request has an entry further on
+        k = self._step
+        return ends[0][0] - k, n, self._kv_base + n * k
+
+    def skip_decode_steps(self, steps: int, now_s: float) -> None:
+        """Apply ``steps`` of the steps ``decode_run`` promises at once, without plans;
+        ``now_s`` is when the last of them ended. What they would have returned is
+        nothing: no request finishes in them."""
+        avail = self.decode_run()[0]
+        if not (_is_int(steps) and 1 <= steps <= avail):
+            raise ValueError(
+                f"steps={steps!r}: only 1..{avail} decode-only steps can be skipped now"
+            )
+        self._step += steps
+        if now_s > self._clock:
+            self._clock = now_s
 
     # ---- state -----------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""What one engine step does and what a finished request measured: the scheduler's types.
+"""The scheduler's types: its capacity, a request, one step's plan, a finished request.
 
 :class:`StepPlan` is what ``Scheduler.schedule`` returns and the executor runs. The
 scheduler builds it *lean*: the decode batch size and the KV tokens it reads are
@@ -14,6 +14,54 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Capacity of one engine.
+
+    max_slots: KV-cache slots (sequences that can hold a cache at once).
+    max_batch_size: running-set limit (the tuning knob), 1..max_slots.
+    max_len: context length of a slot: prompt + max_tokens must fit.
+    prefill_chunk: prompt tokens prefilled per step, over all requests.
+    """
+
+    max_slots: int
+    max_batch_size: int
+    max_len: int
+    prefill_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "max_batch_size", "max_len", "prefill_chunk"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be a positive integer")
+        if self.max_batch_size > self.max_slots:
+            raise ValueError(
+                f"max_batch_size={self.max_batch_size}: must be at most max_slots={self.max_slots}"
+            )
+        if self.max_len < 2:
+            raise ValueError(f"max_len={self.max_len}: must be at least 2")
+
+
+@dataclass(kw_only=True)
+class SeqRequest:
+    """One generation request as the scheduler sees it.
+
+    ``prompt_ids`` is optional (the simulator has none); when given its length
+    must equal ``prompt_len`` and the plan carries the ids to the executor.
+    """
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    arrival_s: float
+    prompt_ids: tuple[int, ...] | None = None
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -277,3 +277,55 @@ def test_decode_entries_read_after_the_update_are_those_it_ran() -> None:
     run_step(s, 2.0, token=5)
     (e,) = plan.decode  # read two updates late: still the plan as scheduled
     assert (e.position, e.token) == (4, 3)
+
+
+def test_decode_run_promises_what_stepping_does() -> None:
+    def fresh() -> Scheduler:
+        s = make(max_slots=4, max_batch_size=2, max_len=64, prefill_chunk=64)
+        s.add(req("a", prompt_len=4, max_tokens=9))
+        s.add(req("b", prompt_len=6, max_tokens=5))
+        s.add(req("c", prompt_len=3, max_tokens=2))  # waits: the batch is full
+        return s
+
+    s = fresh()
+    assert s.decode_run()[0] == 0  # the next plan prefills
+    s.update(s.schedule(now_s=0.0), {}, now_s=1.0)
+    steps, batch, kv = s.decode_run()
+    # "b" reaches 5 tokens in the update of step 4; steps 1..3 finish nothing.
+    assert (steps, batch) == (3, 2)
+    plan = s.schedule(now_s=1.0)
+    assert (plan.decode_batch, plan.kv_tokens, plan.prefill) == (2, kv, ())
+    s.update(plan, {}, now_s=2.0)
+    assert s.decode_run() == (2, 2, kv + 2)
+
+    stepped = fresh()
+    t = 0.0
+    done_stepped = []
+    while stepped.has_work:
+        t += 1.0
+        done_stepped += stepped.update(stepped.schedule(now_s=t - 1.0), {}, now_s=t)
+    skipped = fresh()
+    t = 0.0
+    done_skipped = []
+    while skipped.has_work:
+        m = skipped.decode_run()[0]
+        if m:
+            t += m
+            skipped.skip_decode_steps(m, now_s=t)
+            continue
+        t += 1.0
+        done_skipped += skipped.update(skipped.schedule(now_s=t - 1.0), {}, now_s=t)
+    assert done_skipped == done_stepped
+
+
+def test_skip_decode_steps_refuses_more_than_promised() -> None:
+    s = make(prefill_chunk=64)
+    s.add(req("a", max_tokens=3))
+    s.update(s.schedule(now_s=0.0), {}, now_s=1.0)
+    assert s.decode_run()[0] == 1
+    with pytest.raises(ValueError, match=r"steps=2: only 1..1 decode-only steps"):
+        s.skip_decode_steps(2, now_s=2.0)
+    e = make(prefill_chunk=64)  # an engine hands tokens: its steps are never skipped
+    e.add(req("a", max_tokens=5))
+    run_step(e, 0.0)
+    assert e.decode_run()[0] == 0
