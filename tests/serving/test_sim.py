@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from metrics.observation import Slo, Verdict
@@ -154,13 +155,29 @@ def test_config_validation_names_the_value() -> None:
 
 def _roofline_like(plan: StepPlan) -> float:
     """A step time that depends on everything the plan carries (as the roofline's does)."""
-    return (
-        2e-3
-        + 1e-5 * plan.decode_batch
-        + 2e-7 * plan.kv_tokens
-        + 3e-6 * plan.prefill_tokens
-        + 1e-4 * len(plan.prefill)
+    return max(
+        2e-3 + 1e-5 * plan.decode_batch + 2e-7 * plan.kv_tokens,
+        1e-3 + 3e-6 * plan.prefill_tokens + 1e-4 * len(plan.prefill) + 4e-5 * plan.decode_batch,
     )
+
+
+class RooflineLike:
+    """The same step time, with the vectorised form for runs of decode-only plans."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.run_steps = 0
+
+    def __call__(self, plan: StepPlan) -> float:
+        self.calls += 1
+        return _roofline_like(plan)
+
+    def decode_run(self, batch: int, kv_tokens: np.ndarray) -> np.ndarray:
+        self.run_steps += len(kv_tokens)
+        return np.maximum(
+            2e-3 + 1e-5 * batch + 2e-7 * kv_tokens,  # [m]
+            1e-3 + 3e-6 * 0 + 1e-4 * 0 + 4e-5 * batch,
+        )
 
 
 EQUIV_CASES = {
@@ -195,16 +212,23 @@ EQUIV_CASES = {
 }
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["step-by-step", "decode-runs"])
 @pytest.mark.parametrize("seed", [0, 7, 12345])
 @pytest.mark.parametrize("case", sorted(EQUIV_CASES))
-def test_identical_to_the_step_by_step_reference(case: str, seed: int) -> None:
-    """The lean scheduler and arrival handling change nothing: same result, bit for bit,
-    as the plain loop over the reference scheduler (tests/serving/ref_sim.py)."""
+def test_identical_to_the_step_by_step_reference(case: str, seed: int, runs: bool) -> None:
+    """The lean scheduler, the arrival handling and the runs of decode-only steps change
+    nothing: the same result, bit for bit, as the plain loop over the reference
+    scheduler (tests/serving/ref_sim.py), which calls the step time for every plan."""
     from tests.serving.ref_sim import ref_simulate
 
-    args = dict(EQUIV_CASES[case], step_time=_roofline_like, slo=SLO, seed=seed)
-    fast = simulate(**args)
-    ref = ref_simulate(**args)
+    fn = RooflineLike() if runs else _roofline_like
+    fast = simulate(**EQUIV_CASES[case], step_time=fn, slo=SLO, seed=seed)
+    ref = ref_simulate(**EQUIV_CASES[case], step_time=_roofline_like, slo=SLO, seed=seed)
+    if runs:
+        assert isinstance(fn, RooflineLike)
+        assert fn.calls + fn.run_steps >= fast.steps  # every step was timed, once
+        if case == "light-load-single-stream":
+            assert fn.calls < fast.steps / 4  # ... most of them in runs
     assert fast.steps == ref.steps and fast.steps > 100
     assert fast.timings == ref.timings
     assert fast.observation == ref.observation
