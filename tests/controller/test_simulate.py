@@ -4,13 +4,14 @@ finding the oracle on a scenario it was not tuned on."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import optuna
 import pytest
 from typer.testing import CliRunner
 
 from controller.cli import app, main
-from controller.sim_target import SCENARIOS, Efficiency, Scenario, SimTarget
+from controller.sim_target import SCENARIOS, VM_EPYC_CPU, Efficiency, Scenario, SimTarget
 from metrics.observation import Slo
 from search.space import Knobs
 from search.stop_rule import StopRule
@@ -72,6 +73,23 @@ def test_describe_names_the_hardware_source_and_the_seed() -> None:
     assert t.seed_knobs()[0] == Knobs(max_batch_size=t.seed_batch, max_concurrency=t.seed_batch)
     cpu = SimTarget(SCENARIOS["cpu-small"]).describe()
     assert "calibrat" in cpu["hardware_source"] or "FIELD-NOTES" in cpu["hardware_source"]
+
+
+def test_cpu_scenario_is_self_contained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in CPU scenario states its device: a calibration file on the machine that
+    runs the benchmark changes nothing (the figures are the same for a seed anywhere)."""
+    before = SimTarget(SCENARIOS["cpu-small"])
+    other = replace(VM_EPYC_CPU, name="some-other-cpu", mem_bandwidth=5e9)
+    other.to_json(tmp_path / "hw.json")
+    monkeypatch.setenv("SLOTUNE_HARDWARE_JSON", str(tmp_path / "hw.json"))
+    after = SimTarget(SCENARIOS["cpu-small"])
+    assert after.hardware == before.hardware == VM_EPYC_CPU
+    assert after.describe() == before.describe()
+    k = Knobs(max_batch_size=8, max_concurrency=8)
+    assert after.run(k, seed=3).observation == before.run(k, seed=3).observation
+    # "local-cpu" is the machine-dependent choice, and it does read the file.
+    local = SimTarget(replace(SCENARIOS["cpu-small"], hardware="local-cpu"))
+    assert local.hardware.name == "some-other-cpu"
 
 
 def test_simulate_cli_prints_the_curve_and_the_chosen_point() -> None:
