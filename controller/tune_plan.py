@@ -32,6 +32,7 @@ def _accepts(fn: Any, name: str) -> bool:
 def cache_paths(calib: Any, dev: Any, threads: int) -> list[Path]:
     """Where a calibration at ``threads`` threads may be cached, the one to write first."""
     if _accepts(calib.default_cache_path, "threads"):
+        # only the thread-named cache: older files predate today's calibration kernels
         return [Path(calib.default_cache_path(dev, threads=threads))]
     base = Path(calib.default_cache_path(dev))
     return [base.with_name(f"{base.stem}-{threads}t{base.suffix}"), base]

@@ -126,3 +126,13 @@ def test_a_cached_calibration_at_other_threads_is_not_used(tmp_path: Path, monke
     assert (tmp_path / "hardware-host-cpu-1t.json").exists()
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
     assert spec == "cal-1t" and calib.calls == [1]  # cached now, not measured again
+
+
+def test_the_cache_of_search_calibrate_is_named_by_thread_count() -> None:
+    import torch
+
+    from search import calibrate
+
+    paths = tune_plan.cache_paths(calibrate, torch.device("cpu"), 1)
+    assert paths == [calibrate.default_cache_path(torch.device("cpu"), threads=1)]
+    assert paths[0].name.endswith("-1t.json")
