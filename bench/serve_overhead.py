@@ -1,11 +1,19 @@
 """Serving overhead: tokens/s through Ray Serve HTTP streaming vs the engine in process.
 
 Both sides run the same model preset, thread count, batch and requests (greedy,
-the same prompts, stop at EOS), so they generate the same tokens. One round
-submits ``--batch`` requests at once (a full decode batch) and times from the
-first submission to the last token; rounds alternate engine / Serve so load
-from other work on the machine hits both alike. The figure is the median of
-the per-round ratios (Serve tokens/s ÷ engine tokens/s); target ≥ 0.9.
+the same prompts, stop at EOS), so they generate the same tokens (checked). One
+round submits ``--batch`` requests at once (a full decode batch) and times from
+the first submission to the last token; after one warm-up round each, rounds
+alternate engine / Serve in ABBA order so drift in the load from other work on
+the machine hits both alike. The figure is the median of the per-round ratios
+(Serve tokens/s ÷ engine tokens/s); target ≥ 0.9.
+
+Ray is started the way slotune starts it (``serving.deploy.start_local_ray``):
+in particular its workers (the replica, the proxy) run at the niceness of this
+process, not Ray's default 15, which would hand any other process on a shared
+machine the CPU before the replica and measure the scheduler, not the serving
+path. The JSON records the niceness of both engines and the client's CPU share
+(near 1.0 would mean the HTTP client, not the server, was the bottleneck).
 
     .venv/bin/python bench/serve_overhead.py [--model small] [--batch 32] [--max-tokens 64]
 
@@ -143,21 +151,18 @@ def main() -> None:
         "--stream-interval", type=float, default=None, help="seconds (default: the app's)"
     )
     a = ap.parse_args()
-    for k, v in (
-        ("RAY_USAGE_STATS_ENABLED", "0"),
-        ("RAY_AUTH_MODE", "disabled"),
-        ("OMP_WAIT_POLICY", "PASSIVE"),
-    ):
-        os.environ.setdefault(k, v)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from serving.deploy import ray_env_defaults
 
+    ray_env_defaults()  # before torch and Ray start: OMP policy, worker niceness
+
+    import httpx
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions
-    from ray.serve.schema import LoggingConfig
 
+    from serving.async_engine import AsyncEngine
     from serving.config import ModelConfig
-    from serving.deploy import delete_app, deploy_app, replica_pids
-    from serving.engine import AsyncEngine
+    from serving.deploy import delete_app, deploy_app, replica_pids, start_local_ray
 
     texts = prompts(a.batch)
     engine = AsyncEngine(
@@ -171,16 +176,7 @@ def main() -> None:
     stop_ids = () if eos is None else (eos,)
 
     port = free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=128 << 20,
-        log_to_driver=False,
-    )
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=port),
-        logging_config=LoggingConfig(enable_access_log=False),
-    )
+    start_local_ray(num_cpus=2, metrics_port=free_port(), http_port=port)
     deploy_app(
         model=a.model,
         name=APP,
@@ -197,16 +193,28 @@ def main() -> None:
     # The request path: this process (the HTTP client), Serve's proxy, the replica.
     pids = [os.getpid(), proxy_pid(), *replica_pids(APP)]
     served = f"slotune-{a.model}"
+    stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=30).json()
+    niceness = {
+        "replica_engine_thread": stats["runtime"]["engine_thread_niceness"],
+        "proxy": os.getpriority(os.PRIO_PROCESS, pids[1]),
+    }
 
     async def run() -> list[tuple[Round, Round]]:
         engine.start()
+        niceness["engine_in_process"] = os.getpriority(os.PRIO_PROCESS, engine.native_thread_id)
         # Warm-up: one round each (allocator, thread pools, HTTP connections).
         await engine_round(engine, texts, a.max_tokens, stop_ids)
         await serve_round(url, served, texts, a.max_tokens, pids)
         pairs = []
-        for _ in range(a.rounds):
-            e = await engine_round(engine, texts, a.max_tokens, stop_ids)
-            s = await serve_round(url, served, texts, a.max_tokens, pids)
+        for i in range(a.rounds):
+            if i % 2 == 0:  # ABBA: engine first, then Serve first
+                e = await engine_round(engine, texts, a.max_tokens, stop_ids)
+                s = await serve_round(url, served, texts, a.max_tokens, pids)
+            else:
+                s = await serve_round(url, served, texts, a.max_tokens, pids)
+                e = await engine_round(engine, texts, a.max_tokens, stop_ids)
+            if s.tokens != e.tokens:
+                raise RuntimeError(f"Serve generated {s.tokens} tokens, the engine {e.tokens}")
             pairs.append((e, s))
         engine.stop()
         return pairs
@@ -250,6 +258,11 @@ def main() -> None:
             name: round(statistics.median(1e3 * s.cpu_parts[k] / s.tokens for _, s in pairs), 3)
             for k, name in enumerate(("client", "proxy", "replica"))
         },
+        # The HTTP client's CPU seconds per wall second (1.0 = one core busy: saturated).
+        "client_cpu_share": round(max(s.cpu_parts[0] / s.seconds for _, s in pairs), 3),
+        "niceness": niceness,
+        "replica_runtime": stats["runtime"],
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "model": a.model,
         "batch": a.batch,
         "max_tokens": a.max_tokens,

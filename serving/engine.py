@@ -15,7 +15,10 @@ itself). Ray sets ``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so
 the setting must be explicit somewhere. With another busy process on the same
 cores, spinning OpenMP workers made a 2-thread decode step up to 100x slower:
 set ``OMP_WAIT_POLICY=PASSIVE`` in the process environment before torch starts
-its thread pool (the Ray app does); the engine warns when it is missing.
+its thread pool on shared cores; ACTIVE (spinning) made a 2-thread step about
+twice as fast on a quiet machine, for cores the process has to itself. The Ray
+app sets it from ``ServerArgs.omp_wait_policy``; the engine warns when more than
+one thread runs with neither chosen.
 
 Timings use ``clock`` (``time.monotonic`` by default): arrival when a request is
 added, admission at the start of the step that first schedules it, and first/
@@ -68,10 +71,15 @@ def configure_threads(num_threads: int | None) -> int:
     n = torch.get_num_threads()
     if n < len(os.sched_getaffinity(0)):
         logger.info("torch uses %d of %d CPUs", n, len(os.sched_getaffinity(0)))
-    if n > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
+    if n > 1 and policy == "ACTIVE":
+        logger.info("OMP_WAIT_POLICY=ACTIVE: fastest on cores this process has to itself")
+    elif n > 1 and policy != "PASSIVE":
         logger.warning(
-            "OMP_WAIT_POLICY is not PASSIVE: with other work on these cores, "
-            "spinning OpenMP threads can slow decode steps many times over"
+            "OMP_WAIT_POLICY is %s: with other work on these cores, spinning OpenMP "
+            "threads can slow decode steps many times over; choose PASSIVE (shared "
+            "cores) or ACTIVE (cores this process owns) deliberately",
+            policy or "unset",
         )
     return n
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -320,6 +321,16 @@ def test_openai_client_stream_and_non_stream_agree(server) -> None:
         model="slotune-tiny", prompt=[1, 2, 3], max_tokens=5, temperature=1.5
     )
     assert sampled.usage.prompt_tokens == 3 and sampled.usage.completion_tokens <= 5
+
+
+@pytest.mark.ray
+def test_replica_runs_with_the_threads_policy_and_priority_it_was_given(server) -> None:
+    rt = stats(server.base)["runtime"]
+    assert rt["torch_threads"] == 1  # ServerArgs.torch_threads, not Ray's OMP_NUM_THREADS
+    assert rt["omp_wait_policy"] == "PASSIVE"
+    # Ray renices workers to 15 unless told otherwise (serving.deploy.RAY_ENV_DEFAULTS):
+    # the engine thread must run at the niceness of the process that started Ray.
+    assert rt["engine_thread_niceness"] == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 @pytest.mark.ray

@@ -8,6 +8,7 @@ stream survives a knob change) and admission control (503 beyond the queue).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -94,12 +95,26 @@ def test_app_config_rejects_bad_knobs(kwargs: dict[str, object], fragment: str) 
         (lambda: ServerArgs(model="huge"), "model='huge'"),
         (lambda: ServerArgs(device="tpu"), "device='tpu'"),
         (lambda: ServerArgs(torch_threads=0), "torch_threads=0"),
+        (lambda: ServerArgs(omp_wait_policy="spin"), "omp_wait_policy='spin'"),
         (lambda: ServerArgs.from_args({"modle": "tiny"}), "'modle'"),
     ],
 )
 def test_configs_name_the_bad_value(make, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         make()
+
+
+def test_omp_wait_policy_is_set_for_the_process(monkeypatch, caplog) -> None:
+    from serving.server_config import set_omp_wait_policy
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert set_omp_wait_policy(None) == "PASSIVE"  # unset: the shared-machine default
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert set_omp_wait_policy(None) == "ACTIVE"  # None keeps what the operator set
+    assert set_omp_wait_policy("passive") == "PASSIVE"
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    # torch is loaded in this process already: say the policy may come too late.
+    assert "may not apply" in caplog.text
 
 
 def test_config_round_trips() -> None:
