@@ -1,16 +1,18 @@
-"""How fast the simulator runs: simulated seconds per real second, per search scenario.
+"""How fast the simulator runs: simulated seconds per second, per search scenario.
 
 For every scenario of bench/search_efficiency.py (controller/sim_target.py) it runs
 the simulator at the knobs a search visits (batch 1, 2, 4, ... up to the search's
 largest, admission limit = batch, plus twice the batch at the roofline seed), with
-the scenario's true step-time function, and reports simulated seconds per real
-second over all those windows (the slowest knob too) and the share of the time
-spent inside the step-time function (controller code, not the simulator's).
+the scenario's true step-time function, and reports simulated seconds per second of
+this process's CPU time (the figure a loaded, shared machine distorts least) and of
+wall-clock time, the slowest knob, and the share of the time spent inside the
+step-time function (controller code, not the simulator's).
 
-``--against REF`` also runs serving/sim.py and serving/scheduler.py as they were at
-the git commit REF, interleaved with the current ones in the same process (A/B
-order alternating), so the ratio holds under a loaded machine; the two must give
-identical results, which is checked and printed.
+Variants, interleaved in one process (the order alternating), all on the same seeds,
+and checked to give identical results: ``runs`` (serving/sim.py with the decode-run
+fast path, controller/sim_decode_run.py), ``stepwise`` (serving/sim.py timing every
+step: what ``SimTarget.run`` hands it today) and, with ``--against REF``, serving/
+as it was at git commit REF (the baseline the speed-ups are relative to).
 
 Usage: ``python bench/sim_speed.py [--quick] [--reps 3] [--against REF]``. Prints a
 table, then one JSON line.
@@ -22,18 +24,21 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from controller.sim_decode_run import DecodeRunStepTime  # noqa: E402
 from controller.sim_target import SCENARIOS, SimTarget  # noqa: E402
 from search.space import Knobs  # noqa: E402
 from serving import sim as current_sim  # noqa: E402
@@ -80,8 +85,15 @@ def knobs_for(target: SimTarget, quick: bool) -> list[Knobs]:
     return out
 
 
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    sim: ModuleType  # a module with simulate()
+    runs: bool  # hand it the step time with decode_run (controller/sim_decode_run.py)
+
+
 class Timed:
-    """The scenario's step-time function, with the time spent inside it."""
+    """A step-time function, with the time spent inside it."""
 
     def __init__(self, fn: Callable[[StepPlan], float]) -> None:
         self.fn = fn
@@ -94,11 +106,13 @@ class Timed:
         return dt
 
 
-def run_one(mod: ModuleType, target: SimTarget, k: Knobs, seed: int, timed: bool):
+def run_one(v: Variant, target: SimTarget, k: Knobs, seed: int, timed: bool = False):
     cfg = target.sim_config
-    fn: Callable[[StepPlan], float] = Timed(target.step_time) if timed else target.step_time
-    t0 = time.perf_counter()
-    r = mod.simulate(
+    fn: Callable[[StepPlan], float] = DecodeRunStepTime(target) if v.runs else target.step_time
+    if timed:
+        fn = Timed(fn)
+    t0, c0 = time.perf_counter(), time.process_time()
+    r = v.sim.simulate(
         max_batch_size=min(k.max_batch_size, cfg.max_slots),
         max_concurrency=max(k.max_concurrency, min(k.max_batch_size, cfg.max_slots)),
         workload=target.workload,
@@ -107,8 +121,8 @@ def run_one(mod: ModuleType, target: SimTarget, k: Knobs, seed: int, timed: bool
         slo=target.slo,
         seed=seed,
     )
-    wall = time.perf_counter() - t0
-    return r, wall, (fn.spent if isinstance(fn, Timed) else None)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return r, wall, cpu, (fn.spent if isinstance(fn, Timed) else None)
 
 
 def _fingerprint(r: object) -> tuple:
@@ -116,54 +130,55 @@ def _fingerprint(r: object) -> tuple:
     return (repr(r.observation), repr([t.__dict__ for t in r.timings]), r.steps, r.sim_s)  # type: ignore[attr-defined]
 
 
-def bench_scenario(
-    name: str, variants: dict[str, ModuleType], reps: int, quick: bool
-) -> dict[str, object]:
+def bench_scenario(name: str, variants: list[Variant], reps: int, quick: bool) -> dict:
     target = SimTarget(SCENARIOS[name])
     knobs = knobs_for(target, quick)
-    names = list(variants)
-    sim_s = {v: 0.0 for v in names}
-    wall = {v: 0.0 for v in names}
-    steps = {v: 0 for v in names}
-    worst = {v: float("inf") for v in names}
-    fn_s = 0.0
-    fn_wall = 0.0
+    acc = {v.label: {"sim_s": 0.0, "wall": 0.0, "cpu": 0.0, "steps": 0} for v in variants}
+    worst = {v.label: math.inf for v in variants}
     identical = True
     for rep in range(reps):
         for i, k in enumerate(knobs):
-            order = names if (rep + i) % 2 == 0 else names[::-1]
-            results = {}
+            order = variants if (rep + i) % 2 == 0 else variants[::-1]
+            prints = set()
             for v in order:
-                r, w, spent = run_one(variants[v], target, k, seed=1000 + rep, timed=False)
-                results[v] = r
-                sim_s[v] += r.sim_s
-                wall[v] += w
-                steps[v] += r.steps
-                worst[v] = min(worst[v], r.sim_s / w)
-            first = results[names[0]]
-            identical &= all(_fingerprint(r) == _fingerprint(first) for r in results.values())
-        # The step-time share, from a separate timed pass (the timer costs a little).
-        for k in knobs:
-            _, w, spent = run_one(variants[names[0]], target, k, seed=1000 + rep, timed=True)
-            fn_s += spent or 0.0
-            fn_wall += w
-    out: dict[str, object] = {
+                r, w, c, _ = run_one(v, target, k, seed=1000 + rep)
+                a = acc[v.label]
+                a["sim_s"] += r.sim_s
+                a["wall"] += w
+                a["cpu"] += c
+                a["steps"] += r.steps
+                worst[v.label] = min(worst[v.label], r.sim_s / w)
+                prints.add(_fingerprint(r))
+            identical &= len(prints) == 1
+    # Where the step-by-step variant's time goes: a separate timed pass (the timer costs).
+    stepwise = next((v for v in variants if v.sim is current_sim and not v.runs), variants[0])
+    spent = total = 0.0
+    for k in knobs:
+        _, w, _, fn_s = run_one(stepwise, target, k, seed=1000, timed=True)
+        spent += fn_s or 0.0
+        total += w
+    out: dict = {
         "knobs": len(knobs),
-        "windows": reps * len(knobs),
+        "windows_per_variant": reps * len(knobs),
         "identical": identical,
-        "step_time_share": round(fn_s / fn_wall, 3),
+        "step_time_share": round(spent / total, 3),
     }
-    for v in names:
-        out[v] = {
-            "sim_s_per_s": round(sim_s[v] / wall[v], 1),
-            "worst_knob_sim_s_per_s": round(worst[v], 1),
-            "steps_per_s": round(steps[v] / wall[v]),
-            "sim_s": round(sim_s[v], 1),
-            "wall_s": round(wall[v], 3),
+    for v in variants:
+        a = acc[v.label]
+        out[v.label] = {
+            "sim_s_per_s": round(a["sim_s"] / a["wall"], 1),
+            "sim_s_per_cpu_s": round(a["sim_s"] / max(a["cpu"], 1e-9), 1),
+            "worst_knob_sim_s_per_s": round(worst[v.label], 1),
+            "steps_per_s": round(a["steps"] / a["wall"]),
+            "sim_s": round(a["sim_s"], 1),
+            "wall_s": round(a["wall"], 3),
+            "cpu_s": round(a["cpu"], 3),
         }
-    if len(names) == 2:
-        a, b = names
-        out["speedup"] = round(wall[b] / wall[a], 2)
+    base = variants[-1].label
+    out["baseline"] = base
+    for v in variants[:-1]:
+        out[f"speedup_cpu_{v.label}"] = round(acc[base]["cpu"] / max(acc[v.label]["cpu"], 1e-9), 2)
+        out[f"speedup_wall_{v.label}"] = round(acc[base]["wall"] / acc[v.label]["wall"], 2)
     return out
 
 
@@ -175,37 +190,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="*", default=None, choices=sorted(SCENARIOS))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    variants: dict[str, ModuleType] = {"current": current_sim}
+    variants = [Variant("runs", current_sim, True), Variant("stepwise", current_sim, False)]
     if args.against:
-        variants[f"ref:{args.against}"] = load_reference(args.against)
+        variants.append(Variant(f"ref:{args.against}", load_reference(args.against), False))
     reps = 1 if args.quick else args.reps
     names = args.scenarios or list(SCENARIOS)
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     res = {n: bench_scenario(n, variants, reps, args.quick) for n in names}
     load1 = os.getloadavg()
-    hdr = f"{'scenario':12s} " + " ".join(f"{v + ' sim s/s':>22s}" for v in variants)
-    hdr += f" {'worst knob':>11s} {'steps/s':>9s} {'step_time':>9s} {'identical':>9s}"
-    if len(variants) == 2:
-        hdr += f" {'speedup':>8s}"
+    labels = [v.label for v in variants]
+    hdr = f"{'scenario':12s} " + " ".join(f"{lb:>16s}" for lb in labels)
+    hdr += f" {'worst knob':>10s} {'step_time':>9s} {'same':>5s} "
+    hdr += " ".join(f"{'x ' + lb:>12s}" for lb in labels[:-1])
+    print(
+        f"simulated seconds per CPU second (wall-clock figures in the JSON); baseline {labels[-1]}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for n, r in res.items():
-        cur = r["current"]
-        assert isinstance(cur, dict)
-        row = f"{n:12s} " + " ".join(
-            f"{r[v]['sim_s_per_s']:22.0f}"  # type: ignore[index]
-            for v in variants
-        )
-        row += f" {cur['worst_knob_sim_s_per_s']:11.0f} {cur['steps_per_s']:9d}"
-        row += f" {r['step_time_share']:9.0%} {str(r['identical']):>9s}"
-        if "speedup" in r:
-            row += f" {r['speedup']:7.2f}x"
+        row = f"{n:12s} " + " ".join(f"{r[lb]['sim_s_per_cpu_s']:16.0f}" for lb in labels)
+        row += f" {r['runs']['worst_knob_sim_s_per_s']:10.0f} {r['step_time_share']:9.0%}"
+        row += f" {str(r['identical']):>5s} "
+        row += " ".join(f"{r[f'speedup_cpu_{lb}']:11.2f}x" for lb in labels[:-1])
         print(row)
     print(
-        "(sim s/s: simulated seconds per real second over every window; worst knob: the"
-        " slowest window; step_time: share of the time inside the scenario's step-time"
-        f" function; load average {load0[0]:.2f} before, {load1[0]:.2f} after)"
+        "(runs: serving/sim.py with the decode-run fast path (controller/sim_decode_run.py);"
+        " stepwise: serving/sim.py timing every step (SimTarget.run today); worst knob: the"
+        " slowest window of 'runs', wall clock; step_time: share of the stepwise time inside"
+        " the scenario's step-time function; same: every variant gave identical results;"
+        f" load average {load0[0]:.2f} before, {load1[0]:.2f} after)"
     )
     summary = {
         "bench": "sim_speed",
@@ -214,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "against": args.against,
         "loadavg_1m": [round(load0[0], 2), round(load1[0], 2)],
         "wall_s": round(time.perf_counter() - t0, 1),
-        "min_sim_s_per_s": min(r["current"]["sim_s_per_s"] for r in res.values()),  # type: ignore[index]
+        "min_sim_s_per_cpu_s": min(r["runs"]["sim_s_per_cpu_s"] for r in res.values()),
+        "min_sim_s_per_s": min(r["runs"]["sim_s_per_s"] for r in res.values()),
         "all_identical": all(r["identical"] for r in res.values()),
         "scenarios": res,
     }

@@ -68,6 +68,8 @@ from serving.step_plan import (
     SeqRequest,
     StepPlan,
     _is_int,
+    new_chunk,
+    new_finished,
 )
 
 __all__ = [
@@ -247,16 +249,19 @@ class Scheduler:
     @staticmethod
     def _chunk(s: _Seq, budget: int, out: list[PrefillChunk]) -> int:
         start = s.computed
-        length = min(s.req.prompt_len - start, budget)
+        plen = s.req.prompt_len
+        length = plen - start
+        if length > budget:
+            length = budget
         ids = s.req.prompt_ids
         out.append(
-            PrefillChunk(
-                request_id=s.req.request_id,
-                slot=s.slot,
-                start=start,
-                length=length,
-                last=start + length == s.req.prompt_len,
-                token_ids=None if ids is None else tuple(ids[start : start + length]),
+            new_chunk(
+                s.req.request_id,
+                s.slot,
+                start,
+                length,
+                start + length == plen,
+                None if ids is None else tuple(ids[start : start + length]),
             )
         )
         return length
@@ -347,17 +352,18 @@ class Scheduler:
         else:
             self._prefilling.pop(rid, None)
         heapq.heappush(self._free, s.slot)
-        timing = RequestTiming(
-            request_id=rid,
-            arrival_s=s.req.arrival_s,
-            admitted_s=s.admitted_s,
-            first_token_s=s.first_token_s,
-            last_token_s=now_s,
-            prompt_tokens=s.req.prompt_len,
-            generated_tokens=generated,
+        req = s.req
+        return new_finished(
+            rid,
+            reason,
+            () if s.tokens is None else tuple(t for t in s.tokens if t is not None),
+            req.arrival_s,
+            s.admitted_s,
+            s.first_token_s,
+            now_s,
+            req.prompt_len,
+            generated,
         )
-        out = () if s.tokens is None else tuple(t for t in s.tokens if t is not None)
-        return Finished(request_id=rid, reason=reason, timing=timing, output_ids=out)
 
     # ---- runs of decode-only steps (the simulator's fast path) -------------------
     def decode_run(self) -> tuple[int, int, int]:

@@ -222,3 +222,53 @@ class Finished:
     reason: str  # "length" | "stop" (OpenAI finish_reason)
     timing: RequestTiming
     output_ids: tuple[int, ...]  # empty in a simulation
+
+
+# The scheduler's hot path builds these frozen dataclasses by filling the instance dict:
+# the same objects (equality, hash, repr, immutability after construction) for about a
+# third of what the generated __init__ costs, which stores each field through
+# object.__setattr__. The simulator builds three per request.
+_new = object.__new__
+
+
+def new_chunk(
+    request_id: str, slot: int, start: int, length: int, last: bool, token_ids: tuple | None
+) -> PrefillChunk:
+    c = _new(PrefillChunk)
+    d = c.__dict__
+    d["request_id"] = request_id
+    d["slot"] = slot
+    d["start"] = start
+    d["length"] = length
+    d["last"] = last
+    d["token_ids"] = token_ids
+    return c
+
+
+def new_finished(
+    request_id: str,
+    reason: str,
+    output_ids: tuple[int, ...],
+    arrival_s: float,
+    admitted_s: float,
+    first_token_s: float,
+    last_token_s: float,
+    prompt_tokens: int,
+    generated_tokens: int,
+) -> Finished:
+    t = _new(RequestTiming)
+    d = t.__dict__
+    d["request_id"] = request_id
+    d["arrival_s"] = arrival_s
+    d["admitted_s"] = admitted_s
+    d["first_token_s"] = first_token_s
+    d["last_token_s"] = last_token_s
+    d["prompt_tokens"] = prompt_tokens
+    d["generated_tokens"] = generated_tokens
+    f = _new(Finished)
+    d = f.__dict__
+    d["request_id"] = request_id
+    d["reason"] = reason
+    d["timing"] = t
+    d["output_ids"] = output_ids
+    return f
