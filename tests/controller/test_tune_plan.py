@@ -136,3 +136,21 @@ def test_the_cache_of_search_calibrate_is_named_by_thread_count() -> None:
     paths = tune_plan.cache_paths(calibrate, torch.device("cpu"), 1)
     assert paths == [calibrate.default_cache_path(torch.device("cpu"), threads=1)]
     assert paths[0].name.endswith("-1t.json")
+
+
+def test_tune_price_comes_from_the_flag_else_the_catalog_for_the_builtin_gpu_run(
+    monkeypatch,
+) -> None:
+    import torch
+
+    from controller import cli_tune
+
+    assert cli_tune._price(1.25, embedded=True) == (1.25, "--price-per-hour")
+    monkeypatch.setattr(cli_tune, "local_device", lambda: "cpu")
+    assert cli_tune._price(None, embedded=True) == (None, "not given")  # never for a CPU
+    monkeypatch.setattr(cli_tune, "local_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    price, source = cli_tune._price(None, embedded=True)
+    assert price == CATALOG["h100-sxm"].usd_per_hour and "h100-sxm" in source
+    # attached to someone else's deployment: its hardware is not this process's to guess
+    assert cli_tune._price(None, embedded=False) == (None, "not given")
