@@ -329,3 +329,31 @@ def test_skip_decode_steps_refuses_more_than_promised() -> None:
     e.add(req("a", max_tokens=5))
     run_step(e, 0.0)
     assert e.decode_run()[0] == 0
+
+
+def test_hot_path_objects_are_the_frozen_dataclasses() -> None:
+    import dataclasses
+
+    from serving.step_plan import Finished, PrefillChunk, RequestTiming
+
+    s = make(prefill_chunk=64)
+    s.add(req("a", max_tokens=1, arrival_s=0.5))
+    plan, (fin,) = run_step(s, 1.0)
+    chunk = plan.prefill[0]
+    assert chunk == PrefillChunk(
+        request_id="a", slot=0, start=0, length=4, last=True, token_ids=None
+    )
+    assert hash(chunk) == hash(dataclasses.replace(chunk))
+    timing = RequestTiming(
+        request_id="a",
+        arrival_s=0.5,
+        admitted_s=1.0,
+        first_token_s=1.5,
+        last_token_s=1.5,
+        prompt_tokens=4,
+        generated_tokens=1,
+    )
+    assert fin == Finished(request_id="a", reason="length", timing=timing, output_ids=(7,))
+    for obj in (chunk, fin, fin.timing):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            obj.request_id = "b"  # type: ignore[misc]
