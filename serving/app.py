@@ -165,9 +165,12 @@ class CompletionServer:
         its workers to 15 unless ``RAY_worker_niceness=0``; serving/deploy.py).
         """
         import torch
+        from ray.serve._private import constants
 
         tid = self.engine.native_thread_id
         return {
+            # False when RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 reached the replica.
+            "user_code_in_separate_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
             "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "engine_thread_niceness": None if tid is None else os.getpriority(os.PRIO_PROCESS, tid),
