@@ -582,3 +582,18 @@ def test_windows_are_lengthened_to_span_enough_scrapes(capsys) -> None:
     long = WindowPlan(window_s=20.0, max_window_s=30.0)
     assert _fit_to_scrapes(long, reader, quiet=True) == long
     assert _fit_to_scrapes(plan, ScrapeWindow(None), quiet=True) == plan
+
+
+def test_the_summary_says_the_cost_or_how_to_get_it(tmp_path: Path, capsys) -> None:
+    from dataclasses import replace
+
+    from controller.cli_tune import _finish
+
+    out = run(tmp_path, FakeTarget())
+    _finish(out, tmp_path, quiet=True)  # base() has $1/h
+    text = capsys.readouterr().out
+    assert "operating point: max_batch_size=" in text and "cost: At $1/h" in text
+    unpriced = replace(out, report=replace(out.report, usd_per_hour=None))
+    _finish(unpriced, tmp_path, quiet=True)
+    text = capsys.readouterr().out
+    assert "cost: No device price was given" in text and "--price-per-hour" in text
