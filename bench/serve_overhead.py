@@ -1,7 +1,7 @@
 """Serving overhead: tokens/s through Ray Serve HTTP streaming vs the engine in process.
 
 Both sides run the same model preset, thread count, batch and requests (greedy,
-the same prompts, stop at EOS), so they generate the same tokens (checked). One
+the same prompts, stop at EOS), so they generate the same tokens (counts checked). One
 round submits ``--batch`` requests at once (a full decode batch) and times from
 the first submission to the last token; after one warm-up round each, rounds
 alternate engine / Serve in ABBA order so drift in the load from other work on
