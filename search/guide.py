@@ -12,7 +12,11 @@ Because the models are crude, the answer is safeguarded like a bracketing root
 finder on [largest batch measured feasible, smallest batch above it not proven
 feasible]: it is clamped to the middle of the bracket (log scale); above a
 feasible point with nothing over the SLO yet it probes at least 25% higher; with
-nothing feasible yet it comes down at most 4x per step. Guidance ends when the
+nothing feasible yet it comes down at most ``max_step_down`` (8x) per step. Below
+the smallest measured batch the roofline is flat where p99 TPOT is not (per-step
+overhead and prefill interference shrink with the batch), so there p99 TPOT is
+taken to fall at least like ``B**min_elasticity`` (0.5) from the measured point:
+a seed a few percent over the SLO leads a few tens of percent down, not 8x. Guidance ends when the
 bracket is narrower than ``resolution``, after ``max_steps``, or when it would
 propose a knob already measured; the tuner then re-measures and samples. The
 admission headroom is kept from the seed, its log halved per TTFT violation.
@@ -40,6 +44,10 @@ class Guide:
     ttft_aim: float = 0.85  # and the extrapolated TTFT at this fraction
     max_steps: int = 6  # guided proposals after the seed at most
     resolution: float = 0.05  # stop when the feasible/infeasible bracket is this narrow
+    max_step_down: float = 8.0  # with nothing feasible yet, come down at most this factor a step
+    # Below the smallest measured batch, assume p99 TPOT falls at least like B**this (the
+    # peak roofline is flat there, and would send a small overshoot far down).
+    min_elasticity: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("aim", "ttft_aim"):
@@ -48,6 +56,10 @@ class Guide:
                 raise ValueError(f"{name}={v!r}: must be in (0, 1]")
         if self.max_steps < 0:
             raise ValueError(f"max_steps={self.max_steps!r}: must be >= 0")
+        if not 0 <= self.min_elasticity <= 1:
+            raise ValueError(f"min_elasticity={self.min_elasticity!r}: must be in [0, 1]")
+        if not (math.isfinite(self.max_step_down) and self.max_step_down > 1):
+            raise ValueError(f"max_step_down={self.max_step_down!r}: must be a number > 1")
 
     def correction(self, points: Sequence[PointSummary]) -> Callable[[int], float]:
         """``k(B)``: measured over predicted TPOT, interpolated in log-log."""
@@ -75,12 +87,33 @@ class Guide:
 
         return k
 
-    def _tpot_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
+    def predict_tpot(self, points: Sequence[PointSummary]) -> Callable[[int], float]:
+        """p99 TPOT at batch B: the roofline times ``k(B)``; below the smallest measured
+        batch ``b0`` no more than ``TPOT(b0)·(B/b0)**min_elasticity``."""
         k = self.correction(points)
+        low = min(
+            (
+                (p.knobs.max_batch_size, p.tpot_p99_s)
+                for p in points
+                if math.isfinite(p.tpot_p99_s) and p.tpot_p99_s > 0
+            ),
+            default=None,
+        )
+
+        def tpot(b: int) -> float:
+            t = k(b) * self.model_tpot_s(b)
+            if low is not None and b < low[0] and self.min_elasticity > 0:
+                t = min(t, low[1] * (b / low[0]) ** self.min_elasticity)
+            return t
+
+        return tpot
+
+    def _tpot_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
+        tpot = self.predict_tpot(points)
         goal = self.aim * self.slo.tpot_p99_s
         best = lo
         for b in _log_candidates(lo, hi):
-            if k(b) * self.model_tpot_s(b) <= goal:
+            if tpot(b) <= goal:
                 best = max(best, b)
         return best
 
@@ -153,7 +186,8 @@ class Guide:
                 return None
             return min(hi0, max(model, math.ceil(feas * 1.25), feas + 1))
         if over is not None:  # nothing feasible yet: come down, not all the way at once
-            return max(lo0, min(max(model, round(over * 0.25)), round(over * 0.9), over - 1))
+            floor = round(over / self.max_step_down)
+            return max(lo0, min(max(model, floor), round(over * 0.9), over - 1))
         return model
 
     def headroom(self, points: Sequence[PointSummary], seed: Knobs) -> float:

@@ -11,7 +11,13 @@ proposals come, in order of priority, from:
    model, the remaining seed knobs in order;
 3. ``remeasure``: the incumbent (best by pooled measurements) is measured
    again until it is declared: ``stop_rule.confirmations`` windows met the SLO,
-   and more windows met it than did not (:mod:`search.stop_rule`);
+   and more windows met it than did not (:mod:`search.stop_rule`). It is measured
+   again at once, before guidance ends, when little is left above it: its goodput
+   is within ``declare_gain`` of the throughput measured at the nearest larger
+   batch not proven feasible (under a saturating load throughput grows with
+   batch, so nothing in between can beat that). After guidance, the nearest point
+   above it that failed only for want of evidence (INSUFFICIENT, no p99 over the
+   SLO) gets one more window, up to ``confirmations + 1``, before the sampler;
 4. ``sampler``: Optuna's sampler (GPSampler by default; TPE and random for
    comparison) over the log-scaled box, with both latency constraints given
    through ``Trial.set_constraint``.
@@ -39,6 +45,7 @@ from optuna.trial import TrialState
 from metrics.observation import Observation, Slo, Verdict
 from search.guide import Guide
 from search.objective import evaluate
+from search.remeasure import ceiling, doubtful, open_best
 from search.space import Knobs, SearchSpace
 from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
 
@@ -138,6 +145,7 @@ class Tuner:
         n_startup_trials: int = 4,
         guide_aim: float = 0.97,
         declare_gain: float = 0.05,
+        guide_options: dict[str, Any] | None = None,
     ) -> None:
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler={sampler!r}: choose one of {SAMPLERS}")
@@ -147,7 +155,13 @@ class Tuner:
         self.declare_gain = declare_gain
         self.seed_knobs = [space.clip(k) for k in seed_knobs]
         self._guide = (
-            Guide(model_tpot_s=model_tpot_s, space=space, slo=slo, aim=guide_aim)
+            Guide(
+                model_tpot_s=model_tpot_s,
+                space=space,
+                slo=slo,
+                aim=guide_aim,
+                **(guide_options or {}),
+            )
             if model_tpot_s is not None and self.seed_knobs
             else None
         )
@@ -233,31 +247,16 @@ class Tuner:
         # Re-measure before declaring. The best point that could still be declared (it met
         # the SLO in at least as many windows as not) is measured again at once when little
         # is left above it: its goodput is within `declare_gain` of the throughput measured
-        # at a larger batch (a ceiling under a saturating load), or there is no guidance.
-        # Otherwise guidance goes on and the re-measurement waits until it is over.
+        # at the nearest larger batch not proven feasible (a ceiling under a saturating
+        # load), or there is no guidance. Otherwise guidance goes on and the
+        # re-measurement waits until it is over.
         rule = self.stop_rule
         declared = incumbent(points, confirmations=rule.confirmations)
-        open_ = [
-            p
-            for p in points
-            if p.met_windows
-            and 2 * p.met_windows >= p.measurements
-            and not p.declared(rule.confirmations)
-            and p.measurements < 2 * rule.confirmations + 1
-        ]
-        best = max(open_, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
+        best = open_best(points, confirmations=rule.confirmations)
         if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
-            ceiling = max(
-                (
-                    p.throughput_rps
-                    for p in points
-                    if p.knobs.max_batch_size > best.knobs.max_batch_size
-                    and math.isfinite(p.throughput_rps)
-                ),
-                default=math.nan,
-            )
+            top = ceiling(points, best)
             if self._guide is None or (
-                math.isfinite(ceiling) and best.goodput_rps >= (1 - self.declare_gain) * ceiling
+                math.isfinite(top) and best.goodput_rps >= (1 - self.declare_gain) * top
             ):
                 return best.knobs, "remeasure"
         if self._guide is not None:
@@ -272,6 +271,12 @@ class Tuner:
                 return self.seed_knobs[done], "seed"
         if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
             return best.knobs, "remeasure"
+        if self._guide is not None:
+            again = doubtful(
+                points, declared or best, slo=self.slo, max_measurements=rule.confirmations
+            )
+            if again is not None:
+                return again.knobs, "remeasure"
         return None
 
     def propose(self) -> Knobs:

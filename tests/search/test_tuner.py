@@ -192,8 +192,45 @@ def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
         )
     ]
     assert guide.correction(pts)(70) == pytest.approx(2.0)
-    # The models say 28; nothing is feasible yet, so the step is bounded to [70/4, 0.9*70].
+    # The models say 28; nothing is feasible yet, so the step is bounded to [70/8, 0.9*70].
     assert guide.target_batch(pts) == 28
+
+
+def _over(b: int, tpot: float) -> PointSummary:
+    return PointSummary(
+        knobs=Knobs(max_batch_size=b, max_concurrency=b),
+        measurements=1,
+        goodput_rps=0.0,
+        feasible=False,
+        ttft_p99_s=0.3,
+        tpot_p99_s=tpot,
+        ttft_ok=True,
+        tpot_ok=False,
+        first_trial=0,
+        last_trial=0,
+    )
+
+
+def test_guide_does_not_dive_on_a_flat_roofline() -> None:
+    """Memory-bound, the peak roofline barely moves with batch; a seed 5% over the TPOT SLO
+    must lead a little down (p99 TPOT taken to fall at least like sqrt(B)), not to the
+    step-down floor that the flat roofline alone points at."""
+
+    def flat(b: int) -> float:
+        return 0.010 + 1e-6 * b
+
+    space = SearchSpace(batch_min=1, batch_max=512)
+    pts = [_over(400, 0.042)]  # 5% over the 0.04 s SLO
+    slo = Slo(ttft_p99_s=1.0, tpot_p99_s=0.04)
+    guide = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0)
+    want = 400 * (0.97 * 0.04 / 0.042) ** 2  # ~341
+    assert abs(guide.target_batch(pts) - want) <= 2
+    roofline_only = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0, min_elasticity=0)
+    assert roofline_only.target_batch(pts) == 400 // 8  # the floor: max_step_down
+    with pytest.raises(ValueError, match="min_elasticity=2"):
+        Guide(model_tpot_s=flat, space=space, slo=slo, min_elasticity=2)
+    with pytest.raises(ValueError, match="max_step_down=1"):
+        Guide(model_tpot_s=flat, space=space, slo=slo, max_step_down=1)
 
 
 def test_seed_first_then_guided_then_remeasure_and_constraints_reach_optuna() -> None:
