@@ -25,7 +25,15 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
+# Before torch starts its thread pool. On cores the bench has to itself, OpenMP
+# workers that spin between the ~300 small ops of a step instead of sleeping made a
+# B=1 step ~2x faster (10.3 vs 20.7 ms, 2 threads, quiet machine). On cores shared
+# with other busy processes spinning is a disaster instead (load 10-14: B=1 median
+# 574-840 ms ACTIVE against 23-28 ms PASSIVE). So: ACTIVE when the 1-minute load
+# average is below the CPU count, else PASSIVE; an exported OMP_WAIT_POLICY wins.
+os.environ.setdefault(
+    "OMP_WAIT_POLICY", "ACTIVE" if os.getloadavg()[0] < len(os.sched_getaffinity(0)) else "PASSIVE"
+)
 
 import argparse
 import json
@@ -123,7 +131,9 @@ def main() -> None:
         cal_s = 0.0
     else:
         t0 = time.perf_counter()
-        cal = calibrate(device=args.device, plan=PLANS[args.plan], model=spec, dtypes=(dt,))
+        cal = calibrate(
+            device=args.device, plan=PLANS[args.plan], model=spec, dtypes=(dt,), threads=threads
+        )
         hw, cal_s = cal.spec, time.perf_counter() - t0
     ideal = Roofline(model=spec, hardware=hw.without_calibration(), dtype=dt, context=args.context)
     calibrated = Roofline(model=spec, hardware=hw, dtype=dt, context=args.context)
@@ -149,7 +159,8 @@ def main() -> None:
 
     print(
         f"engine decode step: {cfg.name} ({cfg.n_params / 1e6:.0f}M params) {args.dtype}, "
-        f"context {args.context}, {args.device}, {threads} torch threads; "
+        f"context {args.context}, {args.device}, {threads} torch threads "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}); "
         f"device {hw.mem_bandwidth / 1e9:.1f} GB/s, {hw.flops(dt) / 1e9:.0f} GFLOP/s {dt}"
         + (f" (calibrated in {cal_s:.0f} s)" if cal_s else f" ({args.hardware})")
     )
@@ -173,6 +184,8 @@ def main() -> None:
                 "dtype": args.dtype,
                 "device": args.device,
                 "threads": threads,
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                "load_avg_1m": os.getloadavg()[0],
                 "context": args.context,
                 "roofline_fraction_batch1": rows[0]["roofline_fraction"],
                 "roofline_fraction_max_batch": rows[-1]["roofline_fraction"],

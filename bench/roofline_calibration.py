@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no spinning threads
+# Before torch: spinning OpenMP workers on idle cores, sleeping ones on busy cores
+# (see bench/engine.py); an exported OMP_WAIT_POLICY wins.
+os.environ.setdefault(
+    "OMP_WAIT_POLICY", "ACTIVE" if os.getloadavg()[0] < len(os.sched_getaffinity(0)) else "PASSIVE"
+)
 
 import argparse
 import json
@@ -182,6 +186,7 @@ def main() -> None:
 
     cfg = ModelConfig.from_name("small", dtype=SERVING_DTYPE[args.dtype])
     model = Transformer.random(cfg, seed=0)
+    model.prepack()  # as the engine runs it (oneDNN-prepacked linears on CPU bf16)
     model.allocate_cache(max(batches), args.context)
     with torch.no_grad():
         for c in model.caches():

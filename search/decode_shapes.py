@@ -155,8 +155,8 @@ def measure_kv_rate(
     """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each).
 
     Mirrors serving/model.py's decode attention (keep the two in step): a cache
-    ``[slots, kv_heads, 2, len, head_dim]`` per layer (K and V of a head side by
-    side), grouped-query attention as two batched matmuls over views of it (the
+    ``[2, slots, kv_heads, len, head_dim]`` per layer (K, V), grouped-query
+    attention as two batched matmuls over contiguous views of it (the
     g query heads of a group stacked), scale + mask + fp32 in one add, softmax,
     the cast back. Only the shapes matter here: the values are random.
     """
@@ -168,16 +168,16 @@ def measure_kv_rate(
         per_layer = 2 * b * m.kv_heads * context * d * BYTES_PER_ELEM[dtype]
         layers = _layers_within(per_layer, m.layers)
         caches = [
-            torch.empty(b, m.kv_heads, 2, context, d, device=dev, dtype=dt).normal_()
+            torch.empty(2, b, m.kv_heads, context, d, device=dev, dtype=dt).normal_()
             for _ in range(layers)
-        ]  # per layer: [B, Hkv, 2, L, D], filled (untouched pages would read as zeros)
+        ]  # per layer: [2, B, Hkv, L, D], filled (untouched pages would read as zeros)
         q = torch.randn(b * m.kv_heads, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
         mask = torch.zeros(b, 1, 1, 1, context, device=dev)  # [B, 1, 1, T, L] fp32
 
         def run(caches: list = caches, q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
             for c in caches:
-                keys = c[:, :, 0].reshape(-1, context, d)  # [B*Hkv, L, D] (a view)
-                values = c[:, :, 1].reshape(-1, context, d)  # [B*Hkv, L, D]
+                keys = c[0].reshape(-1, context, d)  # [B*Hkv, L, D] (a view)
+                values = c[1].reshape(-1, context, d)  # [B*Hkv, L, D]
                 scores = torch.bmm(q, keys.transpose(1, 2))  # [B*Hkv, g, L]
                 scores = torch.add(
                     mask, scores.view(mask.shape[0], -1, g, 1, context), alpha=d**-0.5
@@ -223,7 +223,7 @@ def measure_layer_overhead(
         attn = torch.randn(b * hkv, g, d, device=dev).to(dt)  # [B*Hkv, g, D] from the bmm
         cos = torch.randn(b, 1, 1, d, device=dev).to(dt)  # [B, 1, 1, D]
         sin = torch.randn(b, 1, 1, d, device=dev).to(dt)  # [B, 1, 1, D]
-        cache = torch.zeros(b, hkv, 2, context, d, device=dev, dtype=dt)  # [S, Hkv, 2, L, D]
+        cache = torch.zeros(2, b, hkv, context, d, device=dev, dtype=dt)  # [2, S, Hkv, L, D]
         rows = torch.arange(b * 2 * hkv, device=dev).view(b, 1, 2 * hkv) * context  # [B, 1, 2Hkv]
 
         def run(
@@ -298,8 +298,9 @@ def measure_step_overhead(
             sin_t[pos][:, :, None, :]  # sin
             j = torch.arange(2, device=dev)[:, None]  # [2, 1]
             hh = torch.arange(hkv, device=dev)[None, :]  # [1, Hkv]
-            base = slots * (hkv * 2 * context)  # [B]
-            rows = base[:, None, None, None] + (hh * 2 + j) * context + pos[:, :, None, None]
+            base = slots * (hkv * context)  # [B]
+            within = (j * len(token_list) * hkv + hh) * context  # [2, Hkv]
+            rows = base[:, None, None, None] + within + pos[:, :, None, None]
             rows.flatten(2)  # [B, 1, 2*Hkv]
             key_pos = torch.arange(context, device=dev)  # [L]
             hidden = key_pos > pos[:, None, None, :, None]  # [B, 1, 1, 1, L]

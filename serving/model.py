@@ -12,8 +12,8 @@ for big ones). ``state_dict`` still speaks the Hugging Face Llama layout
 fused weights on save and stack the Hugging Face ones on load, so a local
 safetensors checkpoint loads with ``load_state_dict`` (serving/checkpoint.py).
 
-The KV cache is one buffer per layer, ``[max_slots, n_kv_heads, 2, max_len,
-head_dim]`` (K at index 0, V at 1 of the third dim), allocated once by
+The KV cache is one buffer per layer, ``[2, max_slots, n_kv_heads, max_len,
+head_dim]`` (K at index 0, V at 1), allocated once by
 :meth:`Transformer.allocate_cache` and written in place with a single
 ``index_put_`` per layer (K and V together, rows computed once per step).
 FIELD-NOTES: writing into slices of one big cache tensor makes inductor copy
@@ -190,10 +190,12 @@ class Attention(_FusedHF):
             values = kv[:, :, 1].transpose(1, 2).reshape(b * hkv, t, d)  # [B*Hkv, T, D]
         else:
             kv = qkv[..., self.q_dim :].unflatten(-1, (2 * hkv, d))  # [B, T, 2*Hkv, D]
-            ctx.write(self.kv_cache, kv)  # cache [S, Hkv, 2, L, D]
-            kv_read = ctx.read(self.kv_cache)  # [B, Hkv, 2, L, D]
-            keys = kv_read[:, :, 0].reshape(b * hkv, -1, d)  # [B*Hkv, L, D] (a view)
-            values = kv_read[:, :, 1].reshape(b * hkv, -1, d)  # [B*Hkv, L, D] (a view)
+            ctx.write(self.kv_cache, kv)  # cache [2, S, Hkv, L, D]
+            kv_read = ctx.read(self.kv_cache)  # [2, B, Hkv, L, D]
+            # Contiguous [B*Hkv, L, D] views: a batch stride other than L*D (K and V
+            # interleaved per head) makes CPU bmm copy the whole cache (measured).
+            keys = kv_read[0].reshape(b * hkv, -1, d)  # [B*Hkv, L, D] (a view)
+            values = kv_read[1].reshape(b * hkv, -1, d)  # [B*Hkv, L, D] (a view)
         # Grouped-query attention as two batched GEMMs: query head h uses KV head
         # h // g (Hugging Face repeat_kv order), so the g heads of a group and the
         # T positions stack into one [g*T, D] matrix per KV head. Plain bmm beats
@@ -251,6 +253,7 @@ class _StepContext:
         slots: torch.Tensor | None,  # [B]
         slot_start: int | None,
         *,
+        max_slots: int,
         kv_len: int,
         n_kv_heads: int,
         cos: torch.Tensor,  # [P, D] in the model dtype
@@ -262,13 +265,13 @@ class _StepContext:
         self.cos = cos[positions][:, :, None, :]  # [B, T, 1, D]
         self.sin = sin_signed[positions][:, :, None, :]  # [B, T, 1, D]
         if slots is not None:
-            # Row of (slot, kv head h, K|V j, position p) in a cache viewed as
-            # [S*Hkv*2*L, D]: ((slot*Hkv + h)*2 + j)*L + p; ordered [B, T, 2, Hkv]
+            # Row of (K|V j, slot, kv head h, position p) in a cache viewed as
+            # [2*S*Hkv*L, D]: ((j*S + slot)*Hkv + h)*L + p; ordered [B, T, 2, Hkv]
             # like the k|v half of the qkv output, so one index_put_ writes both.
             j = torch.arange(2, device=dev)[:, None]  # [2, 1]
             hh = torch.arange(n_kv_heads, device=dev)[None, :]  # [1, Hkv]
-            within = (hh * 2 + j) * kv_len  # [2, Hkv]
-            base = slots * (n_kv_heads * 2 * kv_len)  # [B]
+            within = (j * max_slots * n_kv_heads + hh) * kv_len  # [2, Hkv]
+            base = slots * (n_kv_heads * kv_len)  # [B]
             rows = base[:, None, None, None] + within + positions[:, :, None, None]  # [B,T,2,Hkv]
             self.rows = rows.flatten(2)  # [B, T, 2*Hkv]
         key_pos = torch.arange(kv_len, device=dev)  # [Lk]
@@ -278,16 +281,16 @@ class _StepContext:
         )  # [B, 1, 1, T, Lk]
 
     def write(self, cache: torch.Tensor, kv: torch.Tensor) -> None:
-        # cache: [S, Hkv, 2, L, D]; kv: [B, T, 2*Hkv, D] (a strided view of qkv)
+        # cache: [2, S, Hkv, L, D]; kv: [B, T, 2*Hkv, D] (a strided view of qkv)
         cache.view(-1, cache.shape[-1]).index_put_((self.rows,), kv)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
-        # cache: [S, Hkv, 2, L, D] -> [B, Hkv, 2, L, D]. Whole slots are read: a
+        # cache: [2, S, Hkv, L, D] -> [2, B, Hkv, L, D]. Whole slots are read: a
         # narrowed length makes the batch non-contiguous and CPU bmm then copies
         # it, 5-8x slower than reading all max_len positions (measured).
         if self.slot_start is not None:
-            return cache.narrow(0, self.slot_start, self.b)  # a view: no copy
-        return cache.index_select(0, self.slots)
+            return cache.narrow(1, self.slot_start, self.b)  # a view: no copy
+        return cache.index_select(1, self.slots)
 
 
 class Transformer(nn.Module):
@@ -356,7 +359,7 @@ class Transformer(nn.Module):
         return on
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
-        """Allocate the KV cache once: per layer [max_slots, n_kv_heads, 2, max_len, head_dim]."""
+        """Allocate the KV cache once: per layer [2, max_slots, n_kv_heads, max_len, head_dim]."""
         cfg = self.config
         if max_len > cfg.max_position:
             raise ValueError(
@@ -365,7 +368,7 @@ class Transformer(nn.Module):
         if max_len > self.rope_cos.shape[0]:
             self._set_rope(max_len, self.rope_cos.dtype)
         dev, dt = self.lm_head.weight.device, self.lm_head.weight.dtype
-        shape = (max_slots, cfg.n_kv_heads, 2, max_len, cfg.head_dim)
+        shape = (2, max_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
         for layer in self.model.layers:
             layer.self_attn.kv_cache = torch.zeros(shape, device=dev, dtype=dt)
         self.max_slots, self.max_len = max_slots, max_len
@@ -377,7 +380,7 @@ class Transformer(nn.Module):
         )
 
     def caches(self) -> list[torch.Tensor]:
-        """The per-layer KV buffers, [max_slots, n_kv_heads, 2, max_len, head_dim] each."""
+        """The per-layer KV buffers, [2, max_slots, n_kv_heads, max_len, head_dim] each."""
         return [layer.self_attn.kv_cache for layer in self.model.layers]
 
     def forward(
@@ -402,6 +405,7 @@ class Transformer(nn.Module):
             positions,
             slots,
             slot_start,
+            max_slots=self.max_slots,
             kv_len=self.max_len if slots is not None else tokens.shape[1],
             n_kv_heads=self.config.n_kv_heads,
             cos=self.rope_cos,

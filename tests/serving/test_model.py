@@ -148,13 +148,13 @@ def test_cache_shape_is_per_layer_and_allocated_once(tiny32: Transformer) -> Non
     tiny32.allocate_cache(5, 24)
     caches = tiny32.caches()
     assert len(caches) == tiny32.config.n_layers  # K and V of a layer in one buffer
-    assert all(c.shape == (5, 4, 2, 24, 32) for c in caches)
+    assert all(c.shape == (2, 5, 4, 24, 32) for c in caches)
     ptrs = [c.data_ptr() for c in caches]
     with torch.inference_mode():
         tiny32(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([1]), slot_start=1)
     assert [c.data_ptr() for c in tiny32.caches()] == ptrs  # updated in place
-    assert caches[0][1, :, :, :3].abs().sum() > 0
-    assert caches[0][1, :, :, 3:].abs().sum() == 0 and caches[0][[0, 2, 3, 4]].abs().sum() == 0
+    assert caches[0][:, 1, :, :3].abs().amin() > 0  # K and V of every head at 0..2
+    assert caches[0][:, 1, :, 3:].abs().sum() == 0 and caches[0][:, [0, 2, 3, 4]].abs().sum() == 0
 
 
 def test_sample_greedy_and_temperature() -> None:
