@@ -157,7 +157,7 @@ def measure_kv_rate(
     Mirrors serving/model.py's decode attention (keep the two in step): a cache
     ``[2, slots, kv_heads, len, head_dim]`` per layer (K, V), grouped-query
     attention as two batched matmuls over contiguous views of it (the
-    g query heads of a group stacked), scale + mask + fp32 in one add, softmax,
+    g query heads of a group stacked), fp32 scores scaled and masked, softmax,
     the cast back. Only the shapes matter here: the values are random.
     """
     dt = TORCH_DTYPES[dtype]
@@ -179,9 +179,8 @@ def measure_kv_rate(
                 keys = c[0].reshape(-1, context, d)  # [B*Hkv, L, D] (a view)
                 values = c[1].reshape(-1, context, d)  # [B*Hkv, L, D]
                 scores = torch.bmm(q, keys.transpose(1, 2))  # [B*Hkv, g, L]
-                scores = torch.add(
-                    mask, scores.view(mask.shape[0], -1, g, 1, context), alpha=d**-0.5
-                )
+                scores = scores.view(mask.shape[0], -1, g, 1, context).float()
+                scores = scores.mul_(d**-0.5).add_(mask)
                 probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, 1, L]
                 torch.bmm(probs.view(-1, g, context), values)  # [B*Hkv, g, D]
 
@@ -204,8 +203,8 @@ def measure_layer_overhead(
     """batch -> seconds per decoder layer outside its linears and attention core.
 
     Runs the rest of serving/model.py's decode block (keep the two in step) at
-    the model's shapes: two fused RMSNorms, rotary on q and k in place (mul,
-    roll, addcmul), the one cache write (``index_put_`` of K and V), the query
+    the model's shapes: two fused RMSNorms, rotary on q and k in place (chunk,
+    cat, mul, addcmul), the one cache write (``index_put_`` of K and V), the query
     and output reshapes, SwiGLU's activation, residual adds. At these sizes it
     is dispatch and small-kernel time, the part the bytes miss.
     """
@@ -242,8 +241,9 @@ def measure_layer_overhead(
             for _ in range(layers):
                 n = F.rms_norm(res, (m.hidden,), w, 1e-5)
                 qk = qkv[..., : q_dim + kv_dim].unflatten(-1, (h + hkv, d))  # [B, 1, H+Hkv, D]
-                rolled = torch.roll(qk, d // 2, dims=-1)
-                torch.addcmul(qk * cos, rolled, sin, out=qk)
+                x1, x2 = qk.chunk(2, dim=-1)
+                swapped = torch.cat((x2, x1), dim=-1)
+                torch.addcmul(qk * cos, swapped, sin, out=qk)
                 kv = qkv[..., q_dim:].unflatten(-1, (2 * hkv, d))  # [B, 1, 2Hkv, D]
                 cache.view(-1, d).index_put_((rows,), kv)
                 q = qkv[..., :q_dim].unflatten(-1, (h, d))  # [B, 1, H, D]

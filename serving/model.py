@@ -152,11 +152,13 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
     """Rotate ``x`` in place: ``x * cos + rotate_half(x) * sin``.
 
     x: [B, T, H, D] (may be a strided view); cos, sin_signed: [B, T, 1, D].
-    ``rotate_half(x) * sin == roll(x, D/2) * sin_signed`` with the first half of
-    ``sin_signed`` negated, so the rotation is three ops (mul, roll, addcmul).
+    ``rotate_half(x) * sin == [x2, x1] * sin_signed`` with the first half of
+    ``sin_signed`` negated, so the rotation is a swap, a mul and one addcmul
+    (``torch.roll`` for the swap was 1.4x slower at B=256, measured).
     """
-    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [B, T, H, D]
-    torch.addcmul(x * cos, rolled, sin_signed, out=x)
+    x1, x2 = x.chunk(2, dim=-1)
+    swapped = torch.cat((x2, x1), dim=-1)  # [B, T, H, D]
+    torch.addcmul(x * cos, swapped, sin_signed, out=x)
 
 
 class Attention(_FusedHF):
@@ -202,8 +204,9 @@ class Attention(_FusedHF):
         # CPU SDPA here for single-token queries (measured, torch 2.13).
         qg = q.transpose(1, 2).reshape(b * hkv, g * t, d)  # [B*Hkv, g*T, D]
         scores = torch.bmm(qg, keys.transpose(1, 2))  # [B*Hkv, g*T, Lk]
-        # scale, mask and the cast to fp32 in one op: mask is 0 / -inf, fp32
-        scores = torch.add(ctx.mask, scores.view(b, hkv, g, t, -1), alpha=d**-0.5)
+        # fp32, scaled, masked (0 / -inf). One mixed-dtype broadcasting add would do
+        # it all but ran 5x slower than these three at B=256 (measured).
+        scores = scores.view(b, hkv, g, t, -1).float().mul_(d**-0.5).add_(ctx.mask)
         probs = torch.softmax(scores, dim=-1).to(x.dtype)  # [B, Hkv, g, T, Lk]
         out = torch.bmm(probs.view(b * hkv, g * t, -1), values)  # [B*Hkv, g*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]

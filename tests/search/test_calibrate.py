@@ -29,25 +29,28 @@ from search.roofline import Roofline
 TINY = ModelSpec.from_name("slotune-tiny")
 
 
-BEFORE_THREADS = torch.get_num_threads()
-OTHER_THREADS = 1 if BEFORE_THREADS > 1 else 2
+THREADS: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
 def quick():  # one quick calibration shared by the tests below (a few seconds)
-    return calibrate(
+    THREADS["before"] = torch.get_num_threads()
+    THREADS["asked"] = 1 if THREADS["before"] > 1 else 2
+    cal = calibrate(
         device="cpu",
         plan=PLANS["quick"],
         model=TINY,
         dtypes=("fp32", "bf16"),
-        threads=OTHER_THREADS,
+        threads=THREADS["asked"],
     )
+    THREADS["after"] = torch.get_num_threads()
+    return cal
 
 
 def test_calibration_runs_at_the_threads_asked_and_restores(quick) -> None:
-    assert quick.measured["threads"] == OTHER_THREADS
-    assert f"{OTHER_THREADS} threads" in quick.spec.source
-    assert torch.get_num_threads() == BEFORE_THREADS
+    assert quick.measured["threads"] == THREADS["asked"]
+    assert f"{THREADS['asked']} threads" in quick.spec.source
+    assert THREADS["after"] == THREADS["before"]
     with pytest.raises(ValueError, match="threads=0: must be a positive integer"):
         calibrate(device="cpu", plan=PLANS["quick"], model=TINY, threads=0)
 
@@ -162,3 +165,16 @@ def test_big_models_are_timed_on_the_layers_that_fit() -> None:
     big = _linear_shapes(ModelSpec.from_name("llama-3.1-8b"))
     assert 4 <= len(big) < 32 * 4 and len(big) % 4 == 0
     assert sum(o * i for o, i in big) * 2 <= MAX_WORKING_SET_BYTES
+
+
+def test_weight_rate_times_prepacked_and_plain_linears() -> None:
+    from search.decode_shapes import can_prepack, measure_weight_rate
+
+    dev = torch.device("cpu")
+    plain = measure_weight_rate(dev, "bf16", TINY, [1, 4], reps=2, prepacked=False)
+    assert set(plain) == {1, 4} and all(r > 0 for r in plain.values())
+    if not can_prepack(dev, torch.bfloat16):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    packed = measure_weight_rate(dev, "bf16", TINY, [1, 4], reps=2, prepacked=True)
+    assert set(packed) == {1, 4} and all(r > 0 for r in packed.values())
+    assert not can_prepack(dev, torch.float32)  # the engine packs bf16 only
