@@ -8,16 +8,13 @@ proposals come, in order of priority, from:
 2. ``guided``: with a ``model_tpot_s`` (the peak roofline's step time), the
    roofline corrected by every measurement so far (:mod:`search.guide`): the
    next points bracket the seed and converge on the TPOT boundary; without a
-   model, the remaining seed knobs in order;
+   model, the remaining seed knobs in order (``guide_options``: Guide fields);
 3. ``remeasure``: the incumbent (best by pooled measurements) is measured
    again until it is declared: ``stop_rule.confirmations`` windows met the SLO,
-   and more windows met it than did not (:mod:`search.stop_rule`). It is measured
-   again at once, before guidance ends, when little is left above it: its goodput
-   is within ``declare_gain`` of the throughput measured at the nearest larger
-   batch not proven feasible (under a saturating load throughput grows with
-   batch, so nothing in between can beat that). After guidance, the nearest point
-   above it that failed only for want of evidence (INSUFFICIENT, no p99 over the
-   SLO) gets one more window, up to ``confirmations + 1``, before the sampler;
+   and more windows met it than did not (:mod:`search.stop_rule`); at once when
+   its goodput is within ``declare_gain`` of the ceiling above it, and after
+   guidance a point above it that failed only for want of evidence gets another
+   window before the sampler (:mod:`search.remeasure`);
 4. ``sampler``: Optuna's sampler (GPSampler by default; TPE and random for
    comparison) over the log-scaled box, with both latency constraints given
    through ``Trial.set_constraint``.
