@@ -10,7 +10,9 @@ Measures, with torch on the CPU (or the first CUDA device):
   the working set is the model's and nothing stays cached between passes), the
   rate at which decode attention reads the KV cache (done the way the serving
   model does it: see :func:`measure_kv_rate`), and the time a layer spends in
-  everything else (norms, rotary, cache writes: :func:`measure_layer_overhead`).
+  everything else (norms, rotary, cache writes: :func:`measure_layer_overhead`,
+  timed hot, and a whole layer against its linears and attention alone
+  (:mod:`search.decode_layer`): the larger of the two).
 
 The result is a :class:`~search.hardware.HardwareSpec` whose ``decode``
 profiles let :class:`~search.roofline.Roofline` predict a real decode step on
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from search.decode_layer import layer_residual, measure_layer_in_stream
 from search.decode_shapes import (
     TORCH_DTYPES,
     best_time,
@@ -253,6 +256,7 @@ def _calibrate(
             kr: dict[int, float] = {}
             ov: dict[int, float] = {}
             so: dict[int, float] = {}
+            stream: dict[str, dict[int, float]] = {"full": {}, "linears": {}, "attention": {}}
             for i in range(plan.passes):
                 if i and time.perf_counter() - t0 > plan.max_s * (dtypes.index(d) + 1) / len(
                     dtypes
@@ -272,7 +276,23 @@ def _calibrate(
                     measure_step_overhead(dev, d, model, plan.kv_batches, *args, plan.context),
                     min,
                 )
-            raw[d] = {"weight_rate": wr, "kv_rate": kr, "layer_s": ov, "step_s": so}
+                parts = measure_layer_in_stream(dev, d, model, plan.kv_batches, plan.context, *args)
+                for j, key in enumerate(("full", "linears", "attention")):
+                    _keep(stream[key], {b: t[j] for b, t in parts.items()}, min)
+            rs = {
+                b: layer_residual(stream["full"][b], stream["linears"][b], stream["attention"][b])
+                for b in stream["full"]
+            }
+            raw[d] = {
+                "weight_rate": wr,
+                "kv_rate": kr,
+                "layer_s": ov,
+                "step_s": so,
+                "layer_residual_s": rs,
+            }
+            # A layer's overhead as a real step pays it (cold caches between the
+            # linears), never below the pieces timed hot.
+            ov = {b: max(ov[b], rs.get(b, 0.0)) for b in ov}
             decode[d] = DecodeProfile(
                 weight_rate=monotone_rates(wr, lambda b: 1.0),
                 kv_rate=monotone_rates(kr, float),

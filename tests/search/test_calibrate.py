@@ -66,7 +66,10 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
         # Smoothed for the roofline: a larger batch is never predicted faster.
         times = [1 / prof.weight_rate_at(b) for b in plan.weight_batches]
         assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:], strict=False))
-        assert set(quick.measured["raw"][dt]) == {"weight_rate", "kv_rate", "layer_s", "step_s"}
+        raw = quick.measured["raw"][dt]
+        assert set(raw) == {"weight_rate", "kv_rate", "layer_s", "step_s", "layer_residual_s"}
+        for b in plan.kv_batches:  # the overhead used is never below either measurement
+            assert prof.layer_overhead_s[b] >= raw["layer_s"][b] * (1 - 1e-9)
         assert tuple(prof.weight_rate) == plan.weight_batches
         assert tuple(prof.kv_rate) == plan.kv_batches
         assert tuple(prof.layer_overhead_s) == plan.kv_batches
@@ -178,3 +181,14 @@ def test_weight_rate_times_prepacked_and_plain_linears() -> None:
     packed = measure_weight_rate(dev, "bf16", TINY, [1, 4], reps=2, prepacked=True)
     assert set(packed) == {1, 4} and all(r > 0 for r in packed.values())
     assert not can_prepack(dev, torch.float32)  # the engine packs bf16 only
+
+
+def test_layer_in_stream_times_the_whole_layer_and_its_parts() -> None:
+    from search.decode_layer import layer_residual, measure_layer_in_stream
+
+    got = measure_layer_in_stream(torch.device("cpu"), "bf16", TINY, [1, 4], 32, reps=2)
+    assert set(got) == {1, 4}
+    for full, lin, attn in got.values():
+        assert full > 0 and lin > 0 and attn > 0 and math.isfinite(full)
+    assert layer_residual(3.0, 1.0, 0.5) == 1.5
+    assert layer_residual(1.0, 1.0, 0.5) == 0.0  # noise never makes it negative
