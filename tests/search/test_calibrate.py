@@ -68,8 +68,12 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
         assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:], strict=False))
         raw = quick.measured["raw"][dt]
         assert set(raw) == {"weight_rate", "kv_rate", "layer_s", "step_s", "layer_residual_s"}
-        for b in plan.kv_batches:  # the overhead used is never below either measurement
-            assert prof.layer_overhead_s[b] >= raw["layer_s"][b] * (1 - 1e-9)
+        # The overhead used is never below the hot-timed pieces (smoothed: a batch
+        # takes no more than a larger one was measured at).
+        ks = plan.kv_batches
+        for i, b in enumerate(ks):
+            floor = min(raw["layer_s"][k] for k in ks[i:])
+            assert prof.layer_overhead_s[b] >= floor * (1 - 1e-9)
         assert tuple(prof.weight_rate) == plan.weight_batches
         assert tuple(prof.kv_rate) == plan.kv_batches
         assert tuple(prof.layer_overhead_s) == plan.kv_batches
