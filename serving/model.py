@@ -32,14 +32,13 @@ beyond each query's own. Whole ``max_len`` rows are read (see
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from serving.config import ModelConfig
+from serving.fused_linear import FusedHF, Linear, can_prepack
 
 logger = logging.getLogger(__name__)
 
@@ -50,78 +49,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in TORCH_DTYPES:
         raise ValueError(f"dtype={name!r}: must be one of {', '.join(TORCH_DTYPES)}")
     return TORCH_DTYPES[name]
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) that can use a oneDNN-prepacked copy of its weight on CPU.
-
-    ``F.linear`` in bf16 streams a skinny decode GEMM at a fraction of the
-    memory bandwidth here (measured 17-23 GB/s at batch 1 against 35-49 GB/s for
-    the prepacked weight: the blocked layout inductor's freezing pass uses).
-    Results are bit-identical. The packed copy is a plain attribute:
-    ``state_dict`` and checkpoints keep the ordinary weight.
-
-    ``parts``: for a fused linear, the Hugging Face names and row counts of the
-    weights stacked in it, in order (``(("q_proj", 768), ("k_proj", 256), ...)``).
-    """
-
-    packed: torch.Tensor | None = None
-
-    def __init__(
-        self, in_features: int, out_features: int, *, parts: tuple[tuple[str, int], ...] = ()
-    ) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        if parts and sum(n for _, n in parts) != out_features:
-            raise ValueError(f"parts={parts!r}: rows must sum to out_features={out_features}")
-        self.parts = parts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
-def _split_fused(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-    """state_dict post-hook: each fused ``<name>.weight`` -> its Hugging Face parts (views)."""
-    for child_name, child in module.named_children():
-        if isinstance(child, Linear) and child.parts:
-            key = f"{prefix}{child_name}.weight"
-            keys = list(state)
-            after = keys[keys.index(key) + 1 :]
-            fused = state.pop(key)
-            rows = [n for _, n in child.parts]
-            for (hf, _), w in zip(child.parts, fused.split(rows), strict=True):
-                state[f"{prefix}{hf}.weight"] = w
-            if isinstance(state, OrderedDict):  # keep the Hugging Face order
-                for k in after:
-                    state.move_to_end(k)
-
-
-def _stack_hf(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
-    """load_state_dict pre-hook: Hugging Face ``q_proj/k_proj/v_proj`` -> fused ``qkv_proj``."""
-    for child_name, child in module.named_children():
-        if isinstance(child, Linear) and child.parts:
-            keys = [f"{prefix}{hf}.weight" for hf, _ in child.parts]
-            if all(k in state for k in keys):
-                state[f"{prefix}{child_name}.weight"] = torch.cat([state.pop(k) for k in keys])
-
-
-class _FusedHF(nn.Module):
-    """A module holding fused linears that reads and writes the Hugging Face names."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_state_dict_post_hook(_split_fused)
-        self.register_load_state_dict_pre_hook(_stack_hf)
 
 
 class RMSNorm(nn.Module):
@@ -162,7 +89,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
     torch.addcmul(x * cos, swapped, sin_signed, out=x)
 
 
-class Attention(_FusedHF):
+class Attention(FusedHF):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -215,7 +142,7 @@ class Attention(_FusedHF):
         return self.o_proj.forward(out)
 
 
-class MLP(_FusedHF):
+class MLP(FusedHF):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         i = cfg.intermediate_size

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from serving.config import ModelConfig
-from serving.model import Linear, Transformer, sample
+from serving.fused_linear import Linear
+from serving.model import Transformer, sample
 
 
 @pytest.fixture(scope="module")
