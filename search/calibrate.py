@@ -52,8 +52,12 @@ logger = logging.getLogger(__name__)
 class CalibrationPlan:
     """How much to measure. Presets: ``full`` (~20-30 s on 2 busy CPU cores), ``quick`` (tests).
 
-    On a CPU shared with other work, run with ``OMP_WAIT_POLICY=PASSIVE`` (the CLI
-    sets it): spinning OpenMP threads made skinny GEMMs 10-100x slower here.
+    Calibrate under the OpenMP wait policy and thread count the served process
+    will run (``calibrate(threads=...)``; the measured block records both). With
+    more than one thread the policy matters: on cores shared with other work
+    spinning threads made skinny GEMMs 10-100x slower (PASSIVE there; the CLI sets
+    it), on cores a process has to itself spinning (ACTIVE) made a B=1 step ~2x
+    faster. With one thread (a Ray replica) it does not matter.
     """
 
     name: str = "full"
