@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--max-trials", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=240.0)
-    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="as slotune tune's default")
+    ap.add_argument("--output-tokens", type=int, default=8, help="as slotune tune's default")
     ap.add_argument("--quick", action="store_true", help="short windows, a coarse grid")
     ap.add_argument("--repeats", type=int, default=3, help="head-to-head rounds")
     ap.add_argument("--out", default="slotune-out/bench-tune-vs-grid")
@@ -58,10 +59,11 @@ def main() -> None:
     plan = (
         WindowPlan(warmup_s=1.0, window_s=2.0, max_window_s=15.0)
         if args.quick
-        else WindowPlan(warmup_s=2.0, window_s=5.0, max_window_s=15.0)
+        else WindowPlan(warmup_s=2.0, window_s=5.0, max_window_s=30.0)  # slotune tune's defaults
     )
     shape = RequestShape(
-        prompt_tokens=LengthDist(mean=32), output_tokens=LengthDist(mean=args.output_tokens)
+        prompt_tokens=LengthDist(mean=args.prompt_tokens),
+        output_tokens=LengthDist(mean=args.output_tokens),
     )
     slots = cli_tune.DEFAULT_SLOTS[args.model]
     t_setup = time.monotonic()
@@ -80,7 +82,7 @@ def main() -> None:
             slo=slo,
             price=None,
             max_slots=slots,
-            context=32 + args.output_tokens // 2,
+            context=args.prompt_tokens + args.output_tokens // 2,
         )
         from serving.deploy import deploy_app
 
