@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from controller.sim_decode_run import DecodeRunStepTime
 from metrics.observation import Observation, Slo
 from search.hardware import HardwareSpec, resolve_hardware
 from search.models import resolve_model
@@ -290,6 +291,8 @@ class SimTarget:
         )
         self._seed = seed
         self._count = 0
+        # step_time plus its vectorised decode_run (the simulator's fast path, same bits).
+        self._runs = DecodeRunStepTime(self)
 
     # -- the two step times ------------------------------------------------------------
 
@@ -330,7 +333,7 @@ class SimTarget:
             max_batch_size=min(knobs.max_batch_size, cfg.max_slots),
             max_concurrency=max(knobs.max_concurrency, min(knobs.max_batch_size, cfg.max_slots)),
             workload=self.workload,
-            step_time=self.step_time,
+            step_time=self._runs,
             config=cfg,
             slo=self.slo,
             seed=seed,
