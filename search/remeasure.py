@@ -1,19 +1,20 @@
 """Which measured point to measure again, and when (pure functions of the point summaries).
 
-A point is only ever declared after ``confirmations`` windows met the SLO and
-outnumber those that did not (:mod:`search.stop_rule`), so the tuner spends
-trials re-measuring. These rules decide where those trials go:
+A point is only ever declared after ``confirmations`` windows whose pooled
+requests meet the SLO (:mod:`search.stop_rule`, :mod:`search.evidence`), so the
+tuner spends trials re-measuring. These rules decide where those trials go:
 
-- :func:`open_best`: the best point that could still be declared (it met the
-  SLO in at least as many windows as not, is not declared yet, and has not had
-  ``2·confirmations + 1`` windows already).
+- :func:`open_best`: the best point that could still be declared
+  (:meth:`PointSummary.undecided`: its pooled verdicts are not VIOLATED, it is not
+  declared yet, and has not had ``2·confirmations + 1`` windows already).
 - :func:`ceiling`: the throughput measured at the nearest larger batch not
   proven feasible. Under a saturating load throughput grows with batch, so no
   batch in between can have more goodput: when the open best is within a few
   percent of it, guidance has little left to gain and the tuner re-measures at once.
 - :func:`doubtful`: after guidance, the nearest point above the incumbent that
   failed only for want of evidence (INSUFFICIENT: no p99 over the SLO in any
-  window); one more window may settle it by majority before the sampler takes over.
+  window); one more window pools its requests with the first and may settle it
+  before the sampler takes over.
 """
 
 from __future__ import annotations
@@ -21,20 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from metrics.observation import Slo
+from metrics.observation import Slo, Verdict
 from search.stop_rule import PointSummary
 
 
 def open_best(points: Sequence[PointSummary], *, confirmations: int) -> PointSummary | None:
     """The best (by pooled goodput; ties: earliest) point that could still be declared."""
-    open_ = [
-        p
-        for p in points
-        if p.met_windows
-        and 2 * p.met_windows >= p.measurements
-        and not p.declared(confirmations)
-        and p.measurements < 2 * confirmations + 1
-    ]
+    open_ = [p for p in points if p.undecided(confirmations)]
     return max(open_, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
 
 
@@ -64,6 +58,7 @@ def doubtful(
         for p in points
         if p.knobs.max_batch_size > floor
         and not p.feasible
+        and p.pooled is not Verdict.VIOLATED
         and p.measurements <= max_measurements
         and math.isfinite(p.tpot_p99_s)
         and math.isfinite(p.ttft_p99_s)

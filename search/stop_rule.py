@@ -1,10 +1,13 @@
 """When the tuner may stop: the incumbent is confirmed and nothing nearby beats it.
 
 Measurements are noisy, so the tuner keeps one :class:`PointSummary` per distinct
-knob (all its measurements pooled) and only ever *declares* a point whose windows
-met the SLO at least ``confirmations`` times and outnumber the windows that did
-not (a majority vote of windows: one unlucky window does not condemn a point, one
-lucky window does not declare it). The rule, in order:
+knob (all its measurements pooled) and only ever *declares* a point measured in at
+least ``confirmations`` windows whose SLO verdicts, judged on the union of their
+requests (:mod:`search.evidence`), are both MET: a window too short to call a p99
+lends its requests to the next one, and one lucky window does not declare a point.
+When a window's request counts are unknown, a majority vote of windows decides
+instead (at least ``confirmations`` met the SLO, and more than did not). The
+rule, in order:
 
 1. ``max_trials`` reached: stop (with or without a feasible point).
 2. No confirmed incumbent: continue.
@@ -23,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from metrics.observation import Verdict
 from search.space import Knobs
 
 
@@ -33,7 +37,7 @@ class PointSummary:
     knobs: Knobs
     measurements: int
     goodput_rps: float  # mean over measurements
-    feasible: bool  # a strict majority of its windows met the SLO
+    feasible: bool  # pooled verdicts both MET (without counts: most of its windows met the SLO)
     ttft_p99_s: float  # worst over measurements (nan when unknown)
     tpot_p99_s: float
     ttft_ok: bool  # every TTFT verdict MET
@@ -42,6 +46,10 @@ class PointSummary:
     first_trial: int
     met_windows: int | None = None  # windows that met the SLO (None: all or none, by feasible)
     throughput_rps: float = math.nan  # completions/s, mean over measurements (SLO or not)
+    # Both SLOs judged on the union of the windows' requests (search.evidence): VIOLATED if
+    # either is, MET if both are, else INSUFFICIENT; None when some window's counts are
+    # unknown (the majority of windows decides then).
+    pooled: Verdict | None = None
 
     def __post_init__(self) -> None:
         if self.met_windows is None:
@@ -52,9 +60,23 @@ class PointSummary:
         return self.measurements - int(self.met_windows or 0)
 
     def declared(self, confirmations: int) -> bool:
-        """Met the SLO in at least ``confirmations`` windows, and in most of them."""
+        """Measured in at least ``confirmations`` windows and the pooled verdicts are MET
+        (without pooled verdicts: met the SLO in ``confirmations`` windows, and in most)."""
+        if self.pooled is not None:
+            return self.measurements >= confirmations and self.pooled is Verdict.MET
         met = int(self.met_windows or 0)
         return met >= confirmations and met > self.failed_windows
+
+    def undecided(self, confirmations: int) -> bool:
+        """Not declared, yet more windows (at most ``2·confirmations + 1`` in all) could
+        declare it: its pooled verdicts are not VIOLATED (without pooled verdicts: it met
+        the SLO in at least one window and in at least as many as not)."""
+        if self.declared(confirmations) or self.measurements >= 2 * confirmations + 1:
+            return False
+        if self.pooled is not None:
+            return self.pooled is not Verdict.VIOLATED
+        met = int(self.met_windows or 0)
+        return met > 0 and 2 * met >= self.measurements
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,8 @@ proposals come, in order of priority, from:
    next points bracket the seed and converge on the TPOT boundary; without a
    model, the remaining seed knobs in order (``guide_options``: Guide fields);
 3. ``remeasure``: the incumbent (best by pooled measurements) is measured
-   again until it is declared: ``stop_rule.confirmations`` windows met the SLO,
-   and more windows met it than did not (:mod:`search.stop_rule`); at once when
+   again until it is declared: ``stop_rule.confirmations`` windows whose requests,
+   pooled, meet both SLOs (:mod:`search.evidence`, :mod:`search.stop_rule`); at once when
    its goodput is within ``declare_gain`` of the ceiling above it, and after
    guidance a point above it that failed only for want of evidence gets another
    window before the sampler (:mod:`search.remeasure`);
@@ -39,9 +39,10 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from metrics.observation import Observation, Slo, Verdict
+from metrics.observation import Observation, Slo
 from search.guide import Guide
 from search.objective import evaluate
+from search.points import observation_attrs, summarize
 from search.remeasure import ceiling, doubtful, open_best
 from search.space import Knobs, SearchSpace
 from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
@@ -92,36 +93,6 @@ def make_sampler(
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"sampler={name!r}: choose one of {SAMPLERS}")
-
-
-def _mean(xs: Any) -> float:
-    vals = [float(x) for x in xs if x is not None]
-    return sum(vals) / len(vals) if vals else math.nan
-
-
-def _num(x: float) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
-
-
-def _observation_attrs(obs: Observation) -> dict[str, Any]:
-    def verdict(v: Any) -> str:
-        return v.verdict.value if v is not None else "none"
-
-    return {
-        "goodput_rps": _num(obs.goodput_rps),
-        "throughput_rps": _num(obs.throughput_rps),
-        "tokens_per_s": _num(obs.tokens_per_s),
-        "ttft_p99_s": _num(obs.ttft.p99),
-        "tpot_p99_s": _num(obs.tpot.p99),
-        "ttft_p50_s": _num(obs.ttft.p50),
-        "tpot_p50_s": _num(obs.tpot.p50),
-        "ttft_verdict": verdict(obs.ttft_verdict),
-        "tpot_verdict": verdict(obs.tpot_verdict),
-        "completed": obs.completed,
-        "slo_met": obs.slo_met,
-        "rejected": obs.rejected,
-        "window_s": _num(obs.window_s),
-    }
 
 
 class Tuner:
@@ -201,34 +172,16 @@ class Tuner:
         groups: dict[Knobs, list[optuna.trial.FrozenTrial]] = {}
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             groups.setdefault(self._knobs_of(t), []).append(t)
-        out = []
-        for k, ts in groups.items():
-            ua = [t.user_attrs for t in ts]
-            met = sum(1 for a in ua if a.get("feasible", False))
-
-            def worst(key: str, ua: list[dict[str, Any]] = ua) -> float:
-                vals = [a.get(key) for a in ua]
-                if any(v is None for v in vals):
-                    return math.nan
-                return max(vals)
-
-            out.append(
-                PointSummary(
-                    knobs=k,
-                    measurements=len(ts),
-                    goodput_rps=sum(t.value or 0.0 for t in ts) / len(ts),
-                    feasible=2 * met > len(ts),
-                    met_windows=met,
-                    throughput_rps=_mean(a.get("throughput_rps") for a in ua),
-                    ttft_p99_s=worst("ttft_p99_s"),
-                    tpot_p99_s=worst("tpot_p99_s"),
-                    ttft_ok=all(a.get("ttft_verdict") == Verdict.MET.value for a in ua),
-                    tpot_ok=all(a.get("tpot_verdict") == Verdict.MET.value for a in ua),
-                    first_trial=min(t.number for t in ts),
-                    last_trial=max(t.number for t in ts),
-                )
+        return [
+            summarize(
+                k,
+                [t.user_attrs for t in ts],
+                values=[t.value or 0.0 for t in ts],
+                numbers=[t.number for t in ts],
+                slo=self.slo,
             )
-        return out
+            for k, ts in groups.items()
+        ]
 
     def _finished(self) -> list[optuna.trial.FrozenTrial]:
         return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
@@ -323,7 +276,7 @@ class Tuner:
         ev = evaluate(observation, self.slo)
         for name, value in zip(CONSTRAINT_NAMES, ev.constraints, strict=True):
             trial.set_constraint(name, value)
-        attrs = _observation_attrs(observation)
+        attrs = observation_attrs(observation)
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         trial.set_user_attr("feasible", ev.feasible)
@@ -362,9 +315,9 @@ class Tuner:
     # -- results -----------------------------------------------------------------------
 
     def best(self, *, confirmed: bool = True) -> tuple[Knobs, PointSummary] | None:
-        """The incumbent: the knob with the best pooled goodput among those declared (met the
-        SLO in ``stop_rule.confirmations`` windows and in most of its windows); with
-        ``confirmed=False``, among those that met it in most windows (one suffices)."""
+        """The incumbent: the knob with the best pooled goodput among those declared
+        (``stop_rule.confirmations`` windows whose pooled verdicts are MET, see
+        :meth:`PointSummary.declared`); with ``confirmed=False``, one window suffices."""
         need = self.stop_rule.confirmations if confirmed else 1
         p = incumbent(self.points(), confirmations=need)
         return (p.knobs, p) if p is not None else None

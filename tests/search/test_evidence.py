@@ -1,0 +1,185 @@
+"""Pooling windows of one knob: counts recovered exactly, the union's verdict, the tuner's use."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+
+from metrics.build import observation_from_histograms, observation_from_requests
+from metrics.observation import Slo, SloVerdict, Verdict
+from metrics.samples import verdict_from_histogram, verdict_from_samples
+from search.evidence import Counts, combine, counts_of, pooled_verdict
+from search.space import Knobs, SearchSpace
+from search.tuner import Tuner
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
+SPACE = SearchSpace(batch_min=1, batch_max=256, headroom_max=4.0)
+K = Knobs(max_batch_size=32, max_concurrency=32)
+
+
+@pytest.mark.parametrize("n", [0, 1, 20, 299, 1000, 5000])
+@pytest.mark.parametrize("frac", [0.0, 0.004, 0.01, 0.05, 1.0])
+def test_counts_are_recovered_exactly_from_a_sample_verdict(n: int, frac: float) -> None:
+    rng = np.random.default_rng(n)
+    x = rng.random(n)  # [n]
+    above = round(frac * n)
+    thr = float(np.sort(x)[n - above - 1]) if 0 < n - above else -1.0
+    v = verdict_from_samples(x, thr)
+    c = counts_of(v)
+    assert c == Counts(total=n, above=above, above_at_most=above, confidence=0.95)
+
+
+def test_counts_of_a_histogram_verdict_keep_the_bracket() -> None:
+    buckets = {0.1: 900.0, 0.2: 970.0, 0.3: 990.0, math.inf: 1000.0}
+    c = counts_of(verdict_from_histogram(buckets, 0.15, 0.2))  # between bounds 0.1 and 0.2
+    assert c == Counts(total=1000, above=30, above_at_most=100, confidence=0.95)
+    c = counts_of(verdict_from_histogram(buckets, 0.2, 0.2))  # on a bound: exact
+    assert c == Counts(total=1000, above=30, above_at_most=30, confidence=0.95)
+
+
+def test_a_verdict_without_bounds_has_no_counts() -> None:
+    v = SloVerdict(
+        verdict=Verdict.MET, threshold_s=1.0, estimate_s=0.5, samples=100, confidence=0.95
+    )
+    assert counts_of(v) is None
+    assert counts_of(None) is None
+    # Bounds no count reproduces are refused, not rounded.
+    assert counts_of(replace(v, exceed_fraction_lower=0.0123, exceed_fraction_upper=0.2)) is None
+
+
+def test_pooled_verdict_is_the_verdict_on_the_concatenated_samples() -> None:
+    rng = np.random.default_rng(1)
+    thr = 0.05
+    windows = [rng.lognormal(np.log(0.03), 0.1, n) for n in (180, 150, 400)]  # [n] each
+    counts = [counts_of(verdict_from_samples(w, thr)) for w in windows]
+    assert all(c is not None for c in counts)
+    # 180 and 150 requests cannot prove a p99 alone; together they can.
+    assert verdict_from_samples(windows[0], thr).verdict is Verdict.INSUFFICIENT
+    assert verdict_from_samples(windows[1], thr).verdict is Verdict.INSUFFICIENT
+    for k in (2, 3):
+        got = pooled_verdict(counts[:k], threshold_s=thr, estimate_s=0.04, q=0.99)
+        want = verdict_from_samples(np.concatenate(windows[:k]), thr)
+        assert got is not None
+        assert (got.verdict, got.samples) == (want.verdict, want.samples)
+        assert got.exceed_fraction_upper == pytest.approx(want.exceed_fraction_upper)
+        assert want.verdict is Verdict.MET
+    # One slow request in the last window: the union's counts carry it.
+    windows[2][0] = 2 * thr
+    c = counts_of(verdict_from_samples(windows[2], thr))
+    got = pooled_verdict([*counts[:2], c], threshold_s=thr, estimate_s=0.04, q=0.99)
+    assert got.exceed_fraction_lower > 0
+    assert got == replace(verdict_from_samples(np.concatenate(windows), thr), estimate_s=0.04)
+
+
+def test_pooled_histograms_are_the_verdict_on_the_summed_buckets() -> None:
+    a = {0.05: 140.0, 0.1: 150.0, math.inf: 150.0}
+    b = {0.05: 198.0, 0.1: 200.0, math.inf: 200.0}
+    both = {k: a[k] + b[k] for k in a}
+    ca, cb = (counts_of(verdict_from_histogram(h, 0.05, 0.05)) for h in (a, b))
+    got = pooled_verdict([ca, cb], threshold_s=0.05, estimate_s=0.05, q=0.99)
+    want = verdict_from_histogram(both, 0.05, 0.05)
+    assert (got.verdict, got.samples) == (want.verdict, want.samples)
+    assert pooled_verdict([], threshold_s=0.05, estimate_s=0.05, q=0.99) is None
+    other = replace(ca, confidence=0.9)
+    assert pooled_verdict([ca, other], threshold_s=0.05, estimate_s=0.05, q=0.99) is None
+
+
+def test_counts_validate() -> None:
+    with pytest.raises(ValueError, match="above=3, above_at_most=2"):
+        Counts(total=5, above=3, above_at_most=2, confidence=0.95)
+    with pytest.raises(ValueError, match="confidence=1.0"):
+        Counts(total=5, above=0, above_at_most=0, confidence=1.0)
+
+
+def test_combine() -> None:
+    M, V, I = Verdict.MET, Verdict.VIOLATED, Verdict.INSUFFICIENT  # noqa: E741
+    assert combine(M, M) is M
+    assert combine(M, I) is I and combine(I, M) is I
+    assert combine(V, I) is V and combine(M, V) is V
+    assert combine(None, M) is None
+
+
+def requests_window(n: int, *, seed: int, tpot_s: float = 0.03, slow: int = 0, t0: float = 0.0):
+    """``n`` requests in 10 s, TPOT lognormal around ``tpot_s``, ``slow`` of them at 2x SLO."""
+    rng = np.random.default_rng(seed)
+    tpot = rng.lognormal(np.log(tpot_s), 0.1, n)  # [n]
+    tpot[:slow] = 2 * SLO.tpot_p99_s
+    ttft = rng.uniform(0.1, 0.3, n)  # [n]
+    return observation_from_requests(
+        slo=SLO, start_s=t0, end_s=t0 + 10.0, ttft_s=list(ttft), tpot_s=list(tpot)
+    )
+
+
+def tuner(storage: str | None = None) -> Tuner:
+    return Tuner(space=SPACE, slo=SLO, storage=storage, study_name="pool", seed=0)
+
+
+def test_tuner_declares_a_knob_on_the_union_of_two_short_windows(tmp_path: Path) -> None:
+    """Two windows of 200 requests, none slow: neither proves the p99 alone (INSUFFICIENT),
+    the 400 together do; a window-by-window vote would never declare the knob."""
+    t = tuner(str(tmp_path / "j"))
+    w1, w2 = requests_window(200, seed=1), requests_window(200, seed=2, t0=10.0)
+    assert w1.tpot_verdict.verdict is Verdict.INSUFFICIENT
+    t.report(K, w1)
+    (pt,) = t.points()
+    assert pt.pooled is Verdict.INSUFFICIENT and not pt.feasible
+    assert t.best(confirmed=False) is None
+    t.report(K, w2)
+    (pt,) = t.points()
+    assert pt.pooled is Verdict.MET and pt.feasible and pt.measurements == 2
+    assert pt.met_windows == 0  # not one window met the SLO on its own
+    assert pt.goodput_rps == pytest.approx((w1.slo_met + w2.slo_met) / 20.0)
+    best = t.best()
+    assert best is not None and best[0] == K
+    # A resumed controller judges the same evidence the same way.
+    again = tuner(str(tmp_path / "j"))
+    assert again.points() == t.points()
+
+
+def test_pooling_does_not_hide_a_violation() -> None:
+    """Six slow requests of 400 (1.5%) are over a p99: pooled, the knob is not declared."""
+    t = tuner()
+    t.report(K, requests_window(200, seed=1, slow=3))
+    t.report(K, requests_window(200, seed=2, slow=3))
+    (pt,) = t.points()
+    assert pt.pooled is not Verdict.MET and not pt.feasible and t.best() is None
+
+
+def test_a_stale_window_lends_no_requests() -> None:
+    t = tuner()
+    t.report(K, requests_window(200, seed=1))
+    t.report(K, replace(requests_window(200, seed=2), stale=True, staleness_s=90.0))
+    (pt,) = t.points()
+    assert pt.pooled is Verdict.INSUFFICIENT and t.best() is None
+
+
+def test_live_histogram_windows_pool_through_report() -> None:
+    """What controller/tune.py hands the tuner: Observations from Prometheus histograms
+    (SLO thresholds are bucket bounds). 150 + 200 requests, none over the TPOT SLO."""
+    t = tuner()
+
+    def window(n: float) -> object:
+        ttft = {0.5: n, SLO.ttft_p99_s: n, math.inf: n}
+        tpot = {0.02: 0.8 * n, SLO.tpot_p99_s: n, math.inf: n}
+        return observation_from_histograms(
+            slo=SLO,
+            start_s=0.0,
+            end_s=10.0,
+            met=n,
+            missed=0.0,
+            ttft_buckets=ttft,
+            tpot_buckets=tpot,
+        )
+
+    w1 = window(150.0)
+    assert w1.tpot_verdict.verdict is Verdict.INSUFFICIENT
+    t.report(K, w1)
+    t.report(K, window(200.0))
+    (pt,) = t.points()
+    assert pt.pooled is Verdict.MET and t.best() is not None
