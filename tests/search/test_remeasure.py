@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from metrics.observation import Slo
+from metrics.observation import Slo, Verdict
 from search.remeasure import ceiling, doubtful, open_best
 from search.space import Knobs
 from search.stop_rule import PointSummary
@@ -78,3 +79,44 @@ def test_doubtful_is_the_nearest_unproven_point_above() -> None:
     assert doubtful([top, violated, again, below], top, slo=SLO, max_measurements=2) is None
     # With nothing declared, any unproven point qualifies, the smallest first.
     assert doubtful(pts, None, slo=SLO, max_measurements=2).knobs.max_batch_size == 90
+
+
+def pooled(b: int, verdict: Verdict, *, n: int = 1, g: float = 1.0, tpot: float = 0.04):
+    """A point judged on its windows' pooled requests (no window met the SLO alone)."""
+    return replace(
+        pt(b, n=n, met=0, g=g, tpot=tpot), feasible=verdict is Verdict.MET, pooled=verdict
+    )
+
+
+@pytest.mark.parametrize(
+    ("points", "want"),
+    [
+        # Pooled INSUFFICIENT: more requests may prove it, so it is open (no window met).
+        ([pt(10, g=5.0), pooled(20, Verdict.INSUFFICIENT, g=8.0)], 20),
+        # Pooled VIOLATED: the union's requests are over the SLO with confidence.
+        ([pt(10, g=5.0), pooled(20, Verdict.VIOLATED, g=8.0)], 10),
+        # Pooled MET over two windows: declared, nothing left to measure.
+        ([pt(10, g=5.0), pooled(20, Verdict.MET, n=2, g=8.0)], 10),
+        ([pt(10, g=5.0), pooled(20, Verdict.MET, n=1, g=8.0)], 20),  # one window: not yet
+        ([pt(10, g=5.0), pooled(20, Verdict.INSUFFICIENT, n=5, g=8.0)], 10),  # out of windows
+    ],
+)
+def test_open_best_on_pooled_evidence(points: list[PointSummary], want: int) -> None:
+    got = open_best(points, confirmations=2)
+    assert got is not None and got.knobs.max_batch_size == want
+
+
+def test_declared_on_pooled_evidence_needs_the_windows_and_a_met_union() -> None:
+    assert pooled(20, Verdict.MET, n=2).declared(2)
+    assert not pooled(20, Verdict.MET, n=1).declared(2)
+    assert not pooled(20, Verdict.INSUFFICIENT, n=3).declared(2)
+    # The window-majority rule still holds without pooled verdicts.
+    assert pt(20, n=3, met=2).declared(2) and not pt(20, n=4, met=2).declared(2)
+
+
+def test_doubtful_skips_a_pooled_violation() -> None:
+    top = pt(95, n=2, met=2)
+    # Both windows' p99 estimates under the SLO, yet the union is VIOLATED with confidence.
+    assert doubtful([top, pooled(99, Verdict.VIOLATED)], top, slo=SLO, max_measurements=2) is None
+    got = doubtful([top, pooled(99, Verdict.INSUFFICIENT)], top, slo=SLO, max_measurements=2)
+    assert got is not None and got.knobs.max_batch_size == 99
