@@ -57,8 +57,9 @@ class TorchExecutor:
         if not rows:
             return {}
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [R, V]
-        t = torch.tensor([temps.get(r, 0.0) for r in rows], device=self.device)  # [R]
-        drawn = sample(all_logits, t, self._gen).tolist()
+        tl = [temps.get(r, 0.0) for r in rows]
+        t = torch.tensor(tl, device=self.device)  # [R]
+        drawn = sample(all_logits, t, self._gen, any_hot=any(x > 0 for x in tl)).tolist()
         return dict(zip(rows, drawn, strict=True))
 
     def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:

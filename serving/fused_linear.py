@@ -46,6 +46,16 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` as one op, rounded once to the dtype: prepacked, the
+        add is a oneDNN post-op; otherwise ``addmm`` (the same bits, measured)."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+        out = torch.addmm(
+            residual.reshape(-1, self.out_features), x.reshape(-1, x.shape[-1]), self.weight.t()
+        )
+        return out.view(residual.shape)
+
 
 def can_prepack(weight: torch.Tensor) -> bool:
     return (

@@ -132,14 +132,15 @@ class Attention(FusedHF):
         # T positions stack into one [g*T, D] matrix per KV head. Plain bmm beats
         # CPU SDPA here for single-token queries (measured, torch 2.13).
         qg = q.transpose(1, 2).reshape(b * hkv, g * t, d)  # [B*Hkv, g*T, D]
-        scores = torch.bmm(qg, keys.transpose(1, 2))  # [B*Hkv, g*T, Lk]
-        # fp32, scaled, masked (0 / -inf). One mixed-dtype broadcasting add would do
-        # it all but ran 5x slower than these three at B=256 (measured).
-        scores = scores.view(b, hkv, g, t, -1).float().mul_(d**-0.5).add_(ctx.mask)
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)  # [B, Hkv, g, T, Lk]
-        out = torch.bmm(probs.view(b * hkv, g * t, -1), values)  # [B*Hkv, g*T, D]
+        # Scale and mask fused into the GEMM: the 0/-inf mask in the model dtype is
+        # the GEMM's addend and 1/sqrt(D) its alpha (a power of two for D = 64: the
+        # same bits as scaling after it). Softmax of a bf16 input computes in fp32
+        # and rounds once, as float-softmax-cast did: 2 ops where there were 6.
+        scores = torch.baddbmm(ctx.mask, qg, keys.transpose(1, 2), alpha=d**-0.5)
+        probs = torch.softmax(scores, dim=-1)  # [B*Hkv, g*T, Lk]
+        out = torch.bmm(probs, values)  # [B*Hkv, g*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
-        return self.o_proj.forward(out)
+        return out
 
 
 class MLP(FusedHF):
@@ -149,9 +150,10 @@ class MLP(FusedHF):
         self.gate_up_proj = Linear(cfg.d_model, 2 * i, parts=(("gate_proj", i), ("up_proj", i)))
         self.down_proj = Linear(i, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)``: the add fused into the down projection."""
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)  # [B, T, I] each
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.add_forward(F.silu(gate) * up, residual)
 
 
 class Block(nn.Module):
@@ -165,8 +167,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:  # x: [B, T, d]
         # ``.forward`` called directly: ``nn.Module.__call__`` costs ~2 us of CPU and
         # a decode step makes ~100 of them (no module here has forward hooks).
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        # Residual adds fused into o_proj and down_proj (one oneDNN op each).
+        attn = self.self_attn.forward(self.input_layernorm.forward(x), ctx)  # [B, T, H*D]
+        x = self.self_attn.o_proj.add_forward(attn, x)
+        return self.mlp.forward(self.post_attention_layernorm.forward(x), x)
 
 
 class _Backbone(nn.Module):
@@ -190,6 +194,7 @@ class _StepContext:
         max_slots: int,
         kv_len: int,
         n_kv_heads: int,
+        n_heads: int,
         cos: torch.Tensor,  # [P, D] in the model dtype
         sin_signed: torch.Tensor,  # [P, D]
     ) -> None:
@@ -210,9 +215,13 @@ class _StepContext:
             self.rows = rows.flatten(2)  # [B, T, 2*Hkv]
         key_pos = torch.arange(kv_len, device=dev)  # [Lk]
         hidden = key_pos > positions[:, None, None, :, None]  # [B, 1, 1, T, Lk]
-        self.mask = torch.zeros(hidden.shape, dtype=torch.float32, device=dev).masked_fill_(
+        g = n_heads // n_kv_heads
+        # The scores GEMM's addend (0 / -inf, in the model dtype), one row per query
+        # row of the grouped GEMM: [B*Hkv, g*T, Lk], materialized once per step.
+        mask = torch.zeros(hidden.shape, dtype=cos.dtype, device=dev).masked_fill_(
             hidden, float("-inf")
         )  # [B, 1, 1, T, Lk]
+        self.mask = mask.expand(b, n_kv_heads, g, t, kv_len).reshape(b * n_kv_heads, g * t, kv_len)
 
     def write(self, cache: torch.Tensor, kv: torch.Tensor) -> None:
         # cache: [2, S, Hkv, L, D]; kv: [B, T, 2*Hkv, D] (a strided view of qkv)
@@ -326,7 +335,9 @@ class Transformer(nn.Module):
         slot_start: int | None = None,
         last_only: bool = True,
     ) -> torch.Tensor:
-        """Logits [B, V] at each row's last position (or [B, T, V] if not last_only).
+        """Logits [B, V] in fp32 at each row's last position (or [B, T, V] if not
+        last_only). fp32, not bf16: CPU argmax over bf16 was 4x slower than the
+        conversion plus an fp32 argmax at B=256 (measured).
 
         With ``slots``: writes K/V at ``positions`` into those slots and attends
         to each slot's cache up to its own position (the whole ``max_len`` row
@@ -342,6 +353,7 @@ class Transformer(nn.Module):
             max_slots=self.max_slots,
             kv_len=self.max_len if slots is not None else tokens.shape[1],
             n_kv_heads=self.config.n_kv_heads,
+            n_heads=self.config.n_heads,
             cos=self.rope_cos,
             sin_signed=self.rope_sin,
         )
@@ -349,18 +361,22 @@ class Transformer(nn.Module):
             x = layer.forward(x, ctx)
         if last_only:
             x = x[:, -1]  # [B, d_model]
-        return self.lm_head(self.model.norm(x)).float()  # [B, V] or [B, T, V]
+        return self.lm_head.forward(self.model.norm.forward(x)).float()  # [B, V] or [B, T, V]
 
 
 def sample(
     logits: torch.Tensor,  # [B, V] fp32
     temperature: torch.Tensor,  # [B]; 0 means greedy
     generator: torch.Generator | None = None,
+    *,
+    any_hot: bool | None = None,
 ) -> torch.Tensor:
-    """Greedy where temperature is 0, softmax sampling elsewhere. Returns [B] int64."""
+    """Greedy where temperature is 0, softmax sampling elsewhere. Returns [B]
+    int64. ``any_hot``: whether any temperature is > 0, if the caller knows (saves a
+    device sync)."""
     greedy = logits.argmax(dim=-1)  # [B]
     hot = temperature > 0
-    if not bool(hot.any()):
+    if not (bool(hot.any()) if any_hot is None else any_hot):
         return greedy
     t = torch.where(hot, temperature, torch.ones_like(temperature))  # [B]
     probs = torch.softmax(logits / t[:, None], dim=-1)  # [B, V]
