@@ -36,6 +36,7 @@ import torch
 from search.decode_layer import layer_residual, measure_layer_in_stream
 from search.decode_shapes import (
     TORCH_DTYPES,
+    _linear_shapes,
     best_time,
     measure_kv_rate,
     measure_layer_overhead,
@@ -64,9 +65,10 @@ class CalibrationPlan:
     bandwidth_bytes: int = 1 << 30
     matmul_n: int = 2048
     weight_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    # KV read rates barely move with batch once the cache is far past the caches;
-    # beyond the largest batch the rate is held flat.
-    kv_batches: tuple[int, ...] = (1, 8, 64)
+    # KV rates and per-layer overheads (the layer timed whole) at these batches;
+    # held flat beyond the largest. 256 is measured, not extrapolated: held flat
+    # from 64, the prediction of a small-model B=256 step came out 17-28% low.
+    kv_batches: tuple[int, ...] = (1, 8, 64, 256)
     context: int = 256
     reps: int = 1
     budget_s: float = 0.06  # per point and pass: keep trying for a quiet moment this long
@@ -200,6 +202,14 @@ def monotone_rates(
     return {b: (times[b] if work is None else work(b) / times[b]) for b in keys}
 
 
+def _layer_bytes(model: ModelSpec, dtype: str, context: int) -> tuple[int, int]:
+    """(weight bytes of one decoder layer's linears, KV bytes one sequence's attention
+    reads in one layer at ``context``): what the roofline divides by the rates."""
+    m, bpe = model, BYTES_PER_ELEM[dtype]
+    weights = sum(o * i for o, i in _linear_shapes(m, bpe)[:4]) * bpe
+    return weights, 2 * m.kv_heads * m.head_dim * context * bpe
+
+
 def calibrate(
     *,
     device: str | None = None,
@@ -283,9 +293,19 @@ def _calibrate(
                 parts = measure_layer_in_stream(dev, d, model, plan.kv_batches, plan.context, *args)
                 for j, key in enumerate(("full", "linears", "attention")):
                     _keep(stream[key], {b: t[j] for b, t in parts.items()}, min)
+            rates = DecodeProfile(
+                weight_rate=monotone_rates(wr, lambda b: 1.0), kv_rate=monotone_rates(kr, float)
+            )
+            # A layer's overhead as a real step pays it (cold caches between the
+            # linears): the whole mirrored layer beyond its linears and attention as
+            # the profile's own rates time them, so the prediction at these batches
+            # adds up to the layer measured whole (residuals against the pieces
+            # timed alone, each the best of its own tries, summed too low). Never
+            # below the pieces timed hot.
+            lw, lkv = _layer_bytes(model, d, plan.context)
             rs = {
-                b: layer_residual(stream["full"][b], stream["linears"][b], stream["attention"][b])
-                for b in stream["full"]
+                b: layer_residual(full, lw / rates.weight_rate_at(b), b * lkv / rates.kv_rate_at(b))
+                for b, full in stream["full"].items()
             }
             raw[d] = {
                 "weight_rate": wr,
@@ -294,12 +314,10 @@ def _calibrate(
                 "step_s": so,
                 "layer_residual_s": rs,
             }
-            # A layer's overhead as a real step pays it (cold caches between the
-            # linears), never below the pieces timed hot.
             ov = {b: max(ov[b], rs.get(b, 0.0)) for b in ov}
             decode[d] = DecodeProfile(
-                weight_rate=monotone_rates(wr, lambda b: 1.0),
-                kv_rate=monotone_rates(kr, float),
+                weight_rate=rates.weight_rate,
+                kv_rate=rates.kv_rate,
                 layer_overhead_s=monotone_rates(ov, None),
                 step_overhead_s=monotone_rates(so, None),
             )

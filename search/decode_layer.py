@@ -28,6 +28,8 @@ from search.decode_shapes import (
     _linear_shapes,
     best_time,
     can_prepack,
+    decode_attention,
+    filled,
 )
 from search.models import ModelSpec
 
@@ -54,9 +56,14 @@ def measure_layer_in_stream(
     def pack(w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w, 1) if packed else w
 
-    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def linear(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T`` (+ ``res``, fused as serving/fused_linear.py's ``add_forward``)."""
         if packed:
+            if res is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, res, w, None, "add")
             return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        if res is not None:
+            return torch.addmm(res.flatten(0, -2), x.flatten(0, -2), w.t()).view(res.shape)
         return F.linear(x, w)
 
     out: dict[int, tuple[float, float, float]] = {}
@@ -80,7 +87,7 @@ def _in_stream_at(
     budget_s: float,
     shapes: list[tuple[int, int]],
     pack: Callable[[torch.Tensor], torch.Tensor],
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    linear: Callable[..., torch.Tensor],
 ) -> tuple[float, float, float]:
     """Seconds per layer (full, linears, attention) at batch ``b``."""
     h, hkv, d, hid = m.heads, m.kv_heads, m.head_dim, m.hidden
@@ -93,14 +100,12 @@ def _in_stream_at(
         [pack(torch.empty(o, i, device=dev, dtype=dt).normal_(0, 0.02)) for o, i in shapes]
         for _ in range(n)
     ]
-    caches = [
-        torch.empty(2, b, hkv, context, d, device=dev, dtype=dt).normal_() for _ in range(n)
-    ]  # per layer [2, S, Hkv, L, D], filled
+    caches = [filled((2, b, hkv, context, d), dev, dt) for _ in range(n)]  # [2, S, Hkv, L, D]
     norm_w = torch.ones(hid, device=dev, dtype=dt)  # [d]
     x0 = torch.randn(b, 1, hid, device=dev).to(dt)  # [B, 1, d]
     cos = torch.randn(b, 1, 1, d, device=dev).to(dt)  # [B, 1, 1, D]
     sin = torch.randn(b, 1, 1, d, device=dev).to(dt)  # [B, 1, 1, D]
-    mask = torch.zeros(b, 1, 1, 1, context, device=dev)  # [B, 1, 1, T, L] fp32
+    mask = torch.zeros(b * hkv, g, context, device=dev, dtype=dt)  # [B*Hkv, g, L]
     j = torch.arange(2, device=dev)[:, None]  # [2, 1]
     heads = torch.arange(hkv, device=dev)[None, :]  # [1, Hkv]
     slots = torch.arange(b, device=dev)  # [B]
@@ -108,16 +113,9 @@ def _in_stream_at(
     rows = (rows + context - 1).flatten(2)  # [B, 1, 2*Hkv]: write at the last position
     x_in = {i: torch.randn(b, 1, i, device=dev).to(dt) for _, i in shapes}  # [B, 1, in]
     q0 = torch.randn(b * hkv, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
-    scale = d**-0.5
 
     def attention(q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        keys, values = cache.narrow(1, 0, b).unbind(0)  # [B, Hkv, L, D] each
-        keys = keys.reshape(b * hkv, -1, d)  # [B*Hkv, L, D]
-        values = values.reshape(b * hkv, -1, d)  # [B*Hkv, L, D]
-        scores = torch.bmm(q, keys.transpose(1, 2))  # [B*Hkv, g, L]
-        scores = scores.view(b, hkv, g, 1, -1).float().mul_(scale).add_(mask)
-        probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, 1, L]
-        return torch.bmm(probs.view(b * hkv, g, -1), values)  # [B*Hkv, g, D]
+        return decode_attention(q, cache.narrow(1, 0, b), mask)  # [B*Hkv, g, D]
 
     def full(weights: list = weights, caches: list = caches) -> None:
         res = x0
@@ -131,10 +129,10 @@ def _in_stream_at(
             cache.view(-1, d).index_put_((rows,), qkv.narrow(2, h, 2 * hkv))
             o = attention(q.transpose(1, 2).reshape(b * hkv, g, d), cache)
             o = o.view(b, h, 1, d).transpose(1, 2).reshape(b, 1, h * d)  # [B, 1, H*D]
-            res = res + linear(o, w_o)
+            res = linear(o, w_o, res)
             nx = torch.rms_norm(res, (hid,), norm_w, 1e-5)
             gate, up = linear(nx, w_gu).chunk(2, dim=-1)  # [B, 1, I] each
-            res = res + linear(F.silu(gate) * up, w_down)
+            res = linear(F.silu(gate) * up, w_down, res)
 
     def linears_only(weights: list = weights) -> None:
         for layer in weights:

@@ -143,6 +143,31 @@ def measure_weight_rate(
     return out
 
 
+def decode_attention(
+    q: torch.Tensor,  # [B*Hkv, g, D]
+    cache: torch.Tensor,  # [2, B, Hkv, L, D]
+    mask: torch.Tensor,  # [B*Hkv, g, L], 0 / -inf in the cache dtype
+) -> torch.Tensor:
+    """serving/model.py's decode attention core (keep the two in step): contiguous
+    ``[B*Hkv, L, D]`` views of K and V, the scores GEMM with the scale as its alpha
+    and the mask as its addend, softmax of the bf16 scores (computed in fp32,
+    rounded once), the second GEMM. Returns ``[B*Hkv, g, D]``."""
+    keys, values = cache.unbind(0)  # [B, Hkv, L, D] each
+    length, d = keys.shape[-2], keys.shape[-1]
+    keys = keys.reshape(-1, length, d)  # [B*Hkv, L, D] (a view)
+    values = values.reshape(-1, length, d)  # [B*Hkv, L, D] (a view)
+    scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=d**-0.5)  # [B*Hkv, g, L]
+    probs = torch.softmax(scores, dim=-1)  # [B*Hkv, g, L]
+    return torch.bmm(probs, values)  # [B*Hkv, g, D]
+
+
+def filled(shape: tuple[int, ...], dev: torch.device, dt: torch.dtype) -> torch.Tensor:
+    """A tensor with every page written (untouched pages read as one shared zero page
+    and hide their traffic). A constant: GEMM and softmax times do not depend on the
+    values, and ``fill_`` runs at memory speed where ``normal_`` takes seconds per GB."""
+    return torch.empty(shape, device=dev, dtype=dt).fill_(0.5)
+
+
 def measure_kv_rate(
     dev: torch.device,
     dtype: str,
@@ -154,11 +179,9 @@ def measure_kv_rate(
 ) -> dict[int, float]:
     """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each).
 
-    Mirrors serving/model.py's decode attention (keep the two in step): a cache
-    ``[2, slots, kv_heads, len, head_dim]`` per layer (K, V), grouped-query
-    attention as two batched matmuls over contiguous views of it (the
-    g query heads of a group stacked), fp32 scores scaled and masked, softmax,
-    the cast back. Only the shapes matter here: the values are random.
+    Mirrors serving/model.py's decode attention (:func:`decode_attention`) over a
+    cache ``[2, slots, kv_heads, len, head_dim]`` per layer (K, V). Only the shapes
+    matter here: the values are a constant.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
@@ -167,22 +190,13 @@ def measure_kv_rate(
     for b in batches:
         per_layer = 2 * b * m.kv_heads * context * d * BYTES_PER_ELEM[dtype]
         layers = _layers_within(per_layer, m.layers)
-        caches = [
-            torch.empty(2, b, m.kv_heads, context, d, device=dev, dtype=dt).normal_()
-            for _ in range(layers)
-        ]  # per layer: [2, B, Hkv, L, D], filled (untouched pages would read as zeros)
+        caches = [filled((2, b, m.kv_heads, context, d), dev, dt) for _ in range(layers)]
         q = torch.randn(b * m.kv_heads, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
-        mask = torch.zeros(b, 1, 1, 1, context, device=dev)  # [B, 1, 1, T, L] fp32
+        mask = torch.zeros(b * m.kv_heads, g, context, device=dev, dtype=dt)  # [B*Hkv, g, L]
 
         def run(caches: list = caches, q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
             for c in caches:
-                keys = c[0].reshape(-1, context, d)  # [B*Hkv, L, D] (a view)
-                values = c[1].reshape(-1, context, d)  # [B*Hkv, L, D]
-                scores = torch.bmm(q, keys.transpose(1, 2))  # [B*Hkv, g, L]
-                scores = scores.view(mask.shape[0], -1, g, 1, context).float()
-                scores = scores.mul_(d**-0.5).add_(mask)
-                probs = torch.softmax(scores, dim=-1).to(dt)  # [B, Hkv, g, 1, L]
-                torch.bmm(probs.view(-1, g, context), values)  # [B*Hkv, g, D]
+                decode_attention(q, c, mask)  # [B*Hkv, g, D]
 
         nbytes = layers * per_layer
         out[b] = nbytes / best_time(run, dev, reps, budget_s)
@@ -205,8 +219,9 @@ def measure_layer_overhead(
     Runs the rest of serving/model.py's decode block (keep the two in step) at
     the model's shapes: two fused RMSNorms, rotary on q and k in place (chunk,
     cat, mul, addcmul), the one cache write (``index_put_`` of K and V), the query
-    and output reshapes, SwiGLU's activation, residual adds. At these sizes it
-    is dispatch and small-kernel time, the part the bytes miss.
+    and output reshapes, SwiGLU's activation (the residual adds are fused into
+    o_proj and down_proj). At these sizes it is dispatch and small-kernel time,
+    the part the bytes miss.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
@@ -237,9 +252,8 @@ def measure_layer_overhead(
             w: torch.Tensor = w,
             b: int = b,
         ) -> None:
-            res = x
             for _ in range(layers):
-                n = F.rms_norm(res, (m.hidden,), w, 1e-5)
+                F.rms_norm(x, (m.hidden,), w, 1e-5)
                 qk = qkv[..., : q_dim + kv_dim].unflatten(-1, (h + hkv, d))  # [B, 1, H+Hkv, D]
                 x1, x2 = qk.chunk(2, dim=-1)
                 swapped = torch.cat((x2, x1), dim=-1)
@@ -249,11 +263,9 @@ def measure_layer_overhead(
                 q = qkv[..., :q_dim].unflatten(-1, (h, d))  # [B, 1, H, D]
                 q.transpose(1, 2).reshape(b * hkv, g, d)  # [B*Hkv, g, D]
                 attn.view(b, h, 1, d).transpose(1, 2).reshape(b, 1, q_dim)  # [B, 1, H*D]
-                res = res + n
-                n = F.rms_norm(res, (m.hidden,), w, 1e-5)
+                F.rms_norm(x, (m.hidden,), w, 1e-5)
                 gate, up = gate_up.chunk(2, dim=-1)  # [B, 1, I] each
                 F.silu(gate) * up
-                res = res + n
 
         out[b] = best_time(run, dev, reps, budget_s) / layers
         logger.info("%s layer overhead at B=%d: %.1f us", dtype, b, out[b] * 1e6)
@@ -273,12 +285,14 @@ def measure_step_overhead(
 
     serving/model.py's prologue and epilogue and serving/executor.py's decode
     (keep in step): the input tensors, embedding lookup, rotary table lookups,
-    the cache rows and the additive mask, the final RMSNorm, fp32 logits, a
-    greedy argmax and the tokens back to Python.
+    the cache rows and the additive mask (in the model dtype, one row per query
+    row of the grouped GEMM), the final RMSNorm, fp32 logits, a greedy argmax and
+    the tokens back to Python.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
     hkv = m.kv_heads
+    g = m.heads // hkv
     emb = torch.empty(m.vocab, m.hidden, device=dev, dtype=dt).normal_()  # [V, d]
     cos_t = torch.randn(2048, m.head_dim, device=dev).to(dt)  # [P, D]
     sin_t = torch.randn(2048, m.head_dim, device=dev).to(dt)  # [P, D]
@@ -304,7 +318,8 @@ def measure_step_overhead(
             rows.flatten(2)  # [B, 1, 2*Hkv]
             key_pos = torch.arange(context, device=dev)  # [L]
             hidden = key_pos > pos[:, None, None, :, None]  # [B, 1, 1, 1, L]
-            torch.zeros(hidden.shape, device=dev).masked_fill_(hidden, float("-inf"))
+            mask = torch.zeros(hidden.shape, device=dev, dtype=dt).masked_fill_(hidden, -math.inf)
+            mask.expand(-1, hkv, g, -1, -1).reshape(-1, g, context)  # [B*Hkv, g, L]
             F.rms_norm(x[:, -1], (m.hidden,), w, 1e-5)  # [B, d]
             logits.float().argmax(dim=-1).tolist()  # [B]
 
