@@ -7,9 +7,16 @@ verdicts a real deployment gives), and we count the trials until the strategy's
 measurements) is truly feasible and within 5% of the oracle's goodput.
 
 Truth and oracle: a knob's true goodput and feasibility come from a window
-twice as long without measurement noise (no per-window slowdown; per-step jitter
-stays, it is part of the latency distribution), with a fixed seed: truly
-feasible means both SLO verdicts are MET on it. The oracle is the best
+``TRUTH_WINDOW_SCALE`` (8) times as long without measurement noise (no per-window
+slowdown; per-step jitter stays, it is part of the latency distribution), with a
+fixed seed: truly feasible means its p99 TTFT and p99 TPOT (exact, over the
+thousands of requests of that run) are within the SLO. The truth is long so
+that it is the knob's behaviour, not one realization of it: the p99 of one
+window's arrivals and lengths varies by a few percent from run to run, and a
+truth two windows long flipped knobs within that much of the SLO. It is the p99
+itself, not a MET verdict on it: a verdict asks a finite sample for a margin
+(at 95% confidence, roughly 0.8% of 7,000 requests over the SLO instead of 1%)
+whose size is set by the truth run's length, not by the knob. The oracle is the best
 truly feasible knob of a dense grid on the same simulator: batch on a 1.12x log
 lattice at headroom 1, then every integer batch from -6% to +12% of its best,
 then headroom 1.1..4 at it.
@@ -40,6 +47,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -62,6 +70,7 @@ STRATEGIES = ("slotune", "gp-unseeded", "tpe", "random", "grid", "grid-band")
 GRIDS = ("grid", "grid-band")
 HEADROOMS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
 TOLERANCE = 0.05
+TRUTH_WINDOW_SCALE = 8.0
 
 
 def _h(*parts: object) -> int:
@@ -106,9 +115,17 @@ class Bench:
         if knobs not in self._truth:
             self.truth_windows += 1
             o = self.target.run(
-                knobs, seed=_h(self.name, "truth") % 2**31, denoised=True, window_scale=2.0
+                knobs,
+                seed=_h(self.name, "truth") % 2**31,
+                denoised=True,
+                window_scale=TRUTH_WINDOW_SCALE,
             ).observation
-            ok = o.feasible  # both verdicts MET on the long, noise-free window
+            # The long, noise-free run's p99s within the SLO (on fresh, non-empty data).
+            ok = (
+                o.completed > 0
+                and o.ttft.p99 <= self.slo.ttft_p99_s
+                and (o.tpot.p99 <= self.slo.tpot_p99_s or math.isnan(o.tpot.p99))
+            )
             self._truth[knobs] = Truth(
                 goodput=o.goodput_rps, feasible=ok, ttft_p99=o.ttft.p99, tpot_p99=o.tpot.p99
             )
