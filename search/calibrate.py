@@ -313,6 +313,7 @@ def _calibrate(
                 "layer_s": ov,
                 "step_s": so,
                 "layer_residual_s": rs,
+                "layer_full_s": dict(stream["full"]),
             }
             ov = {b: max(ov[b], rs.get(b, 0.0)) for b in ov}
             decode[d] = DecodeProfile(

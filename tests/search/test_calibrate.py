@@ -15,6 +15,7 @@ import torch
 from search.calibrate import (
     PLANS,
     CalibrationPlan,
+    _layer_bytes,
     calibrate,
     default_cache_path,
     measure_bandwidth,
@@ -67,7 +68,23 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
         times = [1 / prof.weight_rate_at(b) for b in plan.weight_batches]
         assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:], strict=False))
         raw = quick.measured["raw"][dt]
-        assert set(raw) == {"weight_rate", "kv_rate", "layer_s", "step_s", "layer_residual_s"}
+        assert set(raw) == {
+            "weight_rate",
+            "kv_rate",
+            "layer_s",
+            "step_s",
+            "layer_residual_s",
+            "layer_full_s",
+        }
+        # At the measured batches a layer's predicted time adds up to the mirrored
+        # layer timed whole (the residual is taken against the profile's own rates).
+        lw, lkv = _layer_bytes(TINY, dt, plan.context)
+        for b, full in raw["layer_full_s"].items():
+            parts = lw / prof.weight_rate_at(b) + b * lkv / prof.kv_rate_at(b)
+            assert raw["layer_residual_s"][b] == pytest.approx(max(0.0, full - parts))
+        top = plan.kv_batches[-1]  # the largest batch: no smoothing from above
+        want = max(raw["layer_s"][top], raw["layer_residual_s"][top])
+        assert prof.layer_overhead_s[top] == pytest.approx(want)
         # The overhead used is never below the hot-timed pieces (smoothed: a batch
         # takes no more than a larger one was measured at).
         ks = plan.kv_batches
