@@ -29,11 +29,10 @@ import os
 # workers that spin between the ~300 small ops of a step instead of sleeping made a
 # B=1 step ~2x faster (10.3 vs 20.7 ms, 2 threads, quiet machine). On cores shared
 # with other busy processes spinning is a disaster instead (load 10-14: B=1 median
-# 574-840 ms ACTIVE against 23-28 ms PASSIVE). So: ACTIVE when the 1-minute load
-# average is below the CPU count, else PASSIVE; an exported OMP_WAIT_POLICY wins.
-os.environ.setdefault(
-    "OMP_WAIT_POLICY", "ACTIVE" if os.getloadavg()[0] < len(os.sched_getaffinity(0)) else "PASSIVE"
-)
+# 574-840 ms ACTIVE against 23-28 ms PASSIVE; at load 1.7 beside one busy Ray
+# replica, 10x slower). So: ACTIVE only when the 1-minute load average is under 0.5
+# (nothing else running), else PASSIVE; an exported OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if os.getloadavg()[0] < 0.5 else "PASSIVE")
 
 import argparse
 import json
