@@ -258,7 +258,10 @@ def _leave_on_known_good(
         knobs: Any = Knobs(
             max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency
         )
-        why = f"left on the best feasible point measured (trial {chosen.number})"
+        why = (
+            f"left on the best feasible point measured: max_batch_size={chosen.max_batch_size}"
+            f" max_concurrency={chosen.max_concurrency} (trial {chosen.number + 1})"
+        )
     elif original is not None:
         knobs = original
         why = "no feasible point: restored the knobs the deployment had before tuning"
