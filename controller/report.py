@@ -182,7 +182,9 @@ class CurveReport:
     def chosen(self) -> TrialRecord | None:
         """The operating point: among knobs whose every measurement met the SLO, the one with
         the most mean goodput (ties: the earliest measured); its latest measurement is shown.
-        The same rule as the tuner's incumbent (``search.stop_rule.incumbent``)."""
+        Stricter than the tuner's incumbent, which judges a re-measured knob on the pooled
+        requests of its windows (``search.evidence``): a knob with one window that missed is
+        never deployed here, even where the tuner declared it (and may stop on it)."""
         groups: dict[tuple[int, int], list[TrialRecord]] = {}
         for t in self.trials:
             groups.setdefault((t.max_batch_size, t.max_concurrency), []).append(t)
