@@ -152,7 +152,10 @@ def run_tune(
                     f"time budget ({limits.time_budget_s:.0f} s) spent after {elapsed:.0f} s"
                 )
                 break
-            if tuner.should_stop():
+            # Stop on the tuner's rule only once the report has a point it would deploy
+            # (every window of it met): the tuner may declare a knob on pooled windows
+            # one of which missed; then the budget is better spent measuring on.
+            if tuner.should_stop() and base.with_trials(records).chosen is not None:
                 why = getattr(tuner, "stop_reason", lambda: None)()
                 stop_reason = f"stop rule: {why}" if why else "stop rule"
                 break

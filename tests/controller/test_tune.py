@@ -597,3 +597,33 @@ def test_the_summary_says_the_cost_or_how_to_get_it(tmp_path: Path, capsys) -> N
     _finish(unpriced, tmp_path, quiet=True)
     text = capsys.readouterr().out
     assert "cost: No device price was given" in text and "--price-per-hour" in text
+
+
+class _EagerStopTuner:
+    """Wraps a real tuner but always claims its stop rule is met (as a tuner that declared a
+    knob on pooled windows would, while no knob has every window within the SLO)."""
+
+    def __init__(self, inner: Tuner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def should_stop(self) -> bool:
+        return True
+
+    def stop_reason(self) -> str:
+        return "always"
+
+
+def test_the_stop_rule_waits_for_a_point_the_report_would_deploy(tmp_path: Path) -> None:
+    # Seed 64 violates TPOT (tpot_of(64) = 61 ms > 40 ms): the first trial leaves nothing
+    # deployable, so the loop must go on despite the rule, and stop once there is a point.
+    target = FakeTarget()
+    tuner = _EagerStopTuner(make_tuner(tmp_path, seed_batch=64))
+    out = run(tmp_path, target, tuner=tuner)
+    assert len(out.report.trials) >= 2
+    assert out.report.chosen is not None
+    assert out.stop_reason == "stop rule: always"
+    # it stopped at the first trial after which the report had a point
+    assert all(not t.feasible for t in out.report.trials[:-1])
