@@ -150,6 +150,14 @@ def main() -> None:
     ap.add_argument(
         "--stream-interval", type=float, default=None, help="seconds (default: the app's)"
     )
+    ap.add_argument(
+        "--also-interval",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also deploy one app per stream interval (seconds) and time it in the same "
+        "rounds (A/B in one run); the headline ratio stays the --stream-interval one",
+    )
     a = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from serving.deploy import ray_env_defaults
@@ -177,55 +185,89 @@ def main() -> None:
 
     port = free_port()
     start_local_ray(num_cpus=2, metrics_port=free_port(), http_port=port)
-    deploy_app(
-        model=a.model,
-        name=APP,
-        route_prefix="/",
-        max_slots=a.batch,
-        max_batch_size=a.batch,
-        max_ongoing_requests=a.batch,
-        max_queued_requests=-1,
-        device=a.device,
-        torch_threads=a.torch_threads,
-        **({} if a.stream_interval is None else {"stream_interval_s": a.stream_interval}),
-    )
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    # One app per stream interval: the first is the headline (--stream-interval, or the
+    # app's default), the others (--also-interval) are timed in the same rounds.
+    intervals: list[float | None] = [a.stream_interval, *a.also_interval]
+    apps = [f"{APP}-{i}" for i in range(len(intervals))]
+    for app, interval in zip(apps, intervals, strict=True):
+        deploy_app(
+            model=a.model,
+            name=app,
+            route_prefix=f"/{app}",
+            max_slots=a.batch,
+            max_batch_size=a.batch,
+            max_ongoing_requests=a.batch,
+            max_queued_requests=-1,
+            device=a.device,
+            torch_threads=a.torch_threads,
+            **({} if interval is None else {"stream_interval_s": interval}),
+        )
+    base = f"http://127.0.0.1:{port}"
+    urls = [f"{base}/{app}/v1/completions" for app in apps]
     # The request path: this process (the HTTP client), Serve's proxy, the replica.
-    pids = [os.getpid(), proxy_pid(), *replica_pids(APP)]
+    proxy = proxy_pid()
+    pids = [[os.getpid(), proxy, *replica_pids(app)] for app in apps]
     served = f"slotune-{a.model}"
-    stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=30).json()
+    stats = httpx.get(f"{base}/{apps[0]}/stats", timeout=30).json()
     niceness = {
         "replica_engine_thread": stats["runtime"]["engine_thread_niceness"],
-        "proxy": os.getpriority(os.PRIO_PROCESS, pids[1]),
+        "proxy": os.getpriority(os.PRIO_PROCESS, proxy),
     }
+    applied = [
+        httpx.get(f"{base}/{app}/stats", timeout=30).json()["args"].get("stream_interval_s")
+        for app in apps
+    ]
 
-    async def run() -> list[tuple[Round, Round]]:
+    async def serve_all(order: list[int]) -> dict[int, Round]:
+        return {k: await serve_round(urls[k], served, texts, a.max_tokens, pids[k]) for k in order}
+
+    async def run() -> list[tuple[Round, list[Round]]]:
         engine.start()
         niceness["engine_in_process"] = os.getpriority(os.PRIO_PROCESS, engine.native_thread_id)
         # Warm-up: one round each (allocator, thread pools, HTTP connections).
         await engine_round(engine, texts, a.max_tokens, stop_ids)
-        await serve_round(url, served, texts, a.max_tokens, pids)
+        await serve_all(list(range(len(apps))))
         pairs = []
+        order = list(range(len(apps)))
         for i in range(a.rounds):
-            if i % 2 == 0:  # ABBA: engine first, then Serve first
+            if i % 2 == 0:  # ABBA: engine first, then Serve first (apps reversed too)
                 e = await engine_round(engine, texts, a.max_tokens, stop_ids)
-                s = await serve_round(url, served, texts, a.max_tokens, pids)
+                got = await serve_all(order)
             else:
-                s = await serve_round(url, served, texts, a.max_tokens, pids)
+                got = await serve_all(order[::-1])
                 e = await engine_round(engine, texts, a.max_tokens, stop_ids)
-            if s.tokens != e.tokens:
-                raise RuntimeError(f"Serve generated {s.tokens} tokens, the engine {e.tokens}")
-            pairs.append((e, s))
+            for k, s in got.items():
+                if s.tokens != e.tokens:
+                    raise RuntimeError(
+                        f"Serve ({apps[k]}) generated {s.tokens} tokens, the engine {e.tokens}"
+                    )
+            pairs.append((e, [got[k] for k in order]))
         engine.stop()
         return pairs
 
     try:
-        pairs = asyncio.run(run())
+        all_pairs = asyncio.run(run())
     finally:
-        delete_app(APP)
+        for app in apps:
+            delete_app(app)
         serve.shutdown()
         ray.shutdown()
 
+    def variant(k: int) -> dict:
+        ps = [(e, ss[k]) for e, ss in all_pairs]
+        rs = [s.tokens_per_s / e.tokens_per_s for e, s in ps]
+        return {
+            "stream_interval_s": applied[k],
+            "serve_to_engine_ratio": round(statistics.median(rs), 4),
+            "ratios": [round(r, 4) for r in rs],
+            "serve_tokens_per_s": round(statistics.median(s.tokens_per_s for _, s in ps), 1),
+            "serve_cpu_ms_per_token": round(
+                statistics.median(s.cpu_ms_per_token for _, s in ps), 3
+            ),
+        }
+
+    variants = [variant(k) for k in range(len(apps))]
+    pairs = [(e, ss[0]) for e, ss in all_pairs]
     ratios = [s.tokens_per_s / e.tokens_per_s for e, s in pairs]
 
     def med_ms(rounds: Iterable[Round]) -> float:
@@ -243,6 +285,13 @@ def main() -> None:
             f"{s.tokens_per_s:>11.1f} {r:>6.3f} {e.cpu_ms_per_token:>17.2f} "
             f"{s.cpu_ms_per_token:>16.2f}"
         )
+    if len(variants) > 1:
+        print(f"{'stream interval s':>17} {'ratio (median)':>14} {'serve cpu ms/tok':>16}")
+        for v in variants:
+            print(
+                f"{v['stream_interval_s']!s:>17} {v['serve_to_engine_ratio']:>14.3f} "
+                f"{v['serve_cpu_ms_per_token']:>16.2f}"
+            )
     result = {
         "serve_to_engine_ratio": round(statistics.median(ratios), 4),
         "ratios": [round(r, 4) for r in ratios],
@@ -269,7 +318,10 @@ def main() -> None:
         "torch_threads": a.torch_threads,
         "rounds": a.rounds,
         "device": a.device,
-        "stream_interval_s": a.stream_interval,
+        # What the headline app applied (its /stats), not only what was asked for.
+        "stream_interval_s": applied[0],
+        # Every app timed in the same rounds (the first is the headline).
+        "variants": variants,
     }
     print(json.dumps(result))
 

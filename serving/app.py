@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -259,14 +260,18 @@ class CompletionServer:
             )
         return await self._complete(req, prompt_ids, cid)
 
-    def _generate(self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str):
-        """Lists of token ids: everything sampled since the handler last ran."""
+    def _generate(
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, *, flush_interval_s: float
+    ):
+        """Lists of token ids as the engine thread hands them over: the first at once,
+        then at most one list per ``flush_interval_s``, the end at once."""
         return self.engine.generate_chunks(
             prompt_ids,
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             request_id=cid,
             stop_ids=self.stop_ids,
+            flush_interval_s=flush_interval_s,
         )
 
     async def _complete(
@@ -274,8 +279,10 @@ class CompletionServer:
     ) -> Response:
         ids: list[int] = []
         # aclosing: a cancelled request (client gone) aborts the engine request
-        # and frees its KV slot at once.
-        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as chunks:
+        # and frees its KV slot at once. Nothing is sent before the end: the engine
+        # thread holds the tokens (inf) and wakes this handler only to finish.
+        gen = self._generate(req, prompt_ids, cid, flush_interval_s=math.inf)
+        async with contextlib.aclosing(gen) as chunks:
             async for chunk in chunks:
                 ids += chunk
         body = oa.completion_body(
@@ -292,8 +299,11 @@ class CompletionServer:
         self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
     ) -> AsyncIterator[bytes]:
         # aclosing: a cancelled request (client gone) aborts the engine request
-        # and frees its KV slot at once.
-        async with contextlib.aclosing(self._generate(req, prompt_ids, cid)) as chunks:
+        # and frees its KV slot at once. The engine thread paces the stream (one
+        # hand-over per stream_interval_s after the first token), so every chunk
+        # that reaches this handler goes out as one event.
+        gen = self._generate(req, prompt_ids, cid, flush_interval_s=self.args.stream_interval_s)
+        async with contextlib.aclosing(gen) as chunks:
             try:
                 async for event in oa.sse_completion_stream(
                     chunks,
@@ -303,7 +313,7 @@ class CompletionServer:
                     max_tokens=req.max_tokens,
                     prompt_tokens=len(prompt_ids),
                     include_usage=req.include_usage,
-                    interval_s=self.args.stream_interval_s,
+                    interval_s=0.0,
                 ):
                     yield event
             except asyncio.CancelledError:

@@ -8,6 +8,14 @@ each) were a measurable share of a replica's CPU at batch 32. A consumer takes
 everything handed to it so far at once (``generate_chunks``), so one that falls
 behind catches up in one go instead of one event per token.
 
+A consumer may also ask the engine thread to hold its tokens back
+(``generate_chunks(flush_interval_s=...)``): its first token is handed over at
+once, then at most one hand-over per interval, and the end at once with everything
+still held. Held tokens cost nothing on the consumer's side (its loop is not woken),
+which is what makes a streamed item through Ray Serve affordable at a full batch:
+Ray's cost is per streamed item, not per token. A token is held less than the
+interval after the step that sampled it.
+
 Server-side latency metrics do not come from here: the scheduler records
 arrival, first and last token times (serving/scheduler.py) and ``on_finish``
 hands them over from the engine thread.
@@ -19,7 +27,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -35,19 +45,23 @@ _DONE = object()
 class _Stream:
     """One consumer's inbox: items the engine thread handed over, and the waiter.
 
-    Touched only on the consumer's event loop (the engine thread hands items
-    over with one ``call_soon_threadsafe`` per loop per step).
+    ``items`` and ``waiter`` are touched only on the consumer's event loop (the
+    engine thread hands items over with one ``call_soon_threadsafe`` per loop per
+    step); ``held`` and ``flush_at`` only on the engine thread.
     """
 
-    __slots__ = ("items", "loop", "waiter")
+    __slots__ = ("flush_at", "held", "interval_s", "items", "loop", "waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = 0.0) -> None:
         self.loop = loop
         self.items: list[object] = []  # token ids, then _DONE or an exception
         self.waiter: asyncio.Future[None] | None = None
+        self.interval_s = interval_s
+        self.held: list[object] = []  # tokens the engine thread has not handed over yet
+        self.flush_at = -math.inf  # engine clock: hand over at the first step from then
 
-    def put(self, item: object) -> None:
-        self.items.append(item)
+    def put(self, items: list[object]) -> None:
+        self.items += items
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -64,9 +78,9 @@ class _Stream:
         return items
 
 
-def _put_all(batch: list[tuple[str, _Stream, object]]) -> None:
-    for _, stream, item in batch:
-        stream.put(item)
+def _put_all(batch: list[tuple[_Stream, list[object]]]) -> None:
+    for stream, items in batch:
+        stream.put(items)
 
 
 class AsyncEngine:
@@ -83,11 +97,18 @@ class AsyncEngine:
     every request that finishes normally (aborted requests are not reported),
     before its stream ends; the timings are the engine's, not the stream's. The
     finish reason is ``length`` when ``max_tokens`` tokens came back, ``stop``
-    otherwise.
+    otherwise. ``clock`` (seconds, monotonic) paces ``flush_interval_s`` only.
     """
 
-    def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        **engine_kwargs: Any,
+    ) -> None:
         self.engine = engine if engine is not None else Engine(**engine_kwargs)
+        self.clock = clock
         self.tokenizer = self.engine.tokenizer
         self.on_finish: Callable[[RequestTiming], None] | None = None
         self._streams: dict[str, _Stream] = {}
@@ -160,12 +181,21 @@ class AsyncEngine:
         temperature: float = 0.0,
         request_id: str | None = None,
         stop_ids: Sequence[int] = (),
+        flush_interval_s: float = 0.0,
     ) -> AsyncIterator[list[int]]:
-        """Lists of token ids: all that were sampled since the consumer last ran."""
+        """Lists of token ids: all that were handed over since the consumer last ran.
+
+        ``flush_interval_s`` > 0: the engine thread hands the first token over at
+        once, then holds tokens back until ``flush_interval_s`` has passed since the
+        last hand-over (checked after each step), and hands over the end at once with
+        everything held. ``math.inf``: the first token, then the rest at the end.
+        """
+        if not (flush_interval_s >= 0):  # also refuses NaN
+            raise ValueError(f"flush_interval_s={flush_interval_s!r}: must be >= 0 seconds")
         rid = request_id if request_id is not None else f"areq-{next(self._ids)}"
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("AsyncEngine is not running: call start() first")
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), flush_interval_s)
         self._streams[rid] = stream
         done = False
         try:
@@ -197,19 +227,53 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------
     def _deliver(self, items: list[tuple[str, object]]) -> None:
-        """Hand items to their streams: one ``call_soon_threadsafe`` per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, _Stream, object]]] = {}
+        """Hand items (a token id, ``_DONE`` or an exception) to their streams at once,
+        with whatever the stream held: one ``call_soon_threadsafe`` per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list[object]]]] = {}
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((rid, stream, item))
+                out, stream.held = stream.held, []
+                out.append(item)
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        self._hand_over(by_loop)
+
+    def _hand_over(
+        self, by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list[object]]]]
+    ) -> None:
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the consumers' loop is closed
-                for rid, _, _ in batch:
-                    self._streams.pop(rid, None)
-                    self.engine.abort(rid)
+                for stream, _ in batch:
+                    for rid, s in list(self._streams.items()):
+                        if s is stream:
+                            self._streams.pop(rid, None)
+                            self.engine.abort(rid)
+
+    def _deliver_step(self, tokens: dict[str, int], ended: list[str]) -> None:
+        """After a step: each stream's new token, held or handed over by its interval;
+        the streams in ``ended`` get everything held and ``_DONE``."""
+        now = self.clock()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list[object]]]] = {}
+        streams = self._streams
+        for rid, tok in tokens.items():
+            stream = streams.get(rid)
+            if stream is None:
+                continue
+            stream.held.append(tok)
+            if now >= stream.flush_at:
+                by_loop.setdefault(stream.loop, []).append((stream, stream.held))
+                stream.held = []
+                stream.flush_at = now + stream.interval_s
+        for rid in ended:
+            stream = streams.get(rid)
+            if stream is None:
+                continue
+            out, stream.held = stream.held, []
+            out.append(_DONE)
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        self._hand_over(by_loop)
 
     def _loop(self) -> None:
         eng = self.engine
@@ -227,15 +291,15 @@ class AsyncEngine:
             if out.plan.is_empty:  # nothing runnable (cannot happen today): do not spin
                 self._wake.wait(timeout=0.01)
                 self._wake.clear()
-            items: list[tuple[str, object]] = list(out.tokens.items())
+            ended: list[str] = []
             for f in out.finished:
                 if self.on_finish is not None:  # before the stream ends: metrics first
                     try:
                         self.on_finish(f.timing)
                     except Exception:
                         logger.exception("on_finish failed for %s", f.request_id)
-                items.append((f.request_id, _DONE))
-            self._deliver(items)
+                ended.append(f.request_id)
+            self._deliver_step(out.tokens, ended)
 
     def _fail_all(self, err: Exception) -> None:
         ids = self.engine.abort_all()
