@@ -2,8 +2,9 @@
 
 Input is a :class:`CurveReport`: the measured trials (one :class:`TrialRecord`
 each), the roofline's predicted curve, the SLO, the hardware and model, and the
-price; the chosen operating point is the feasible trial with the most goodput
-(never an infeasible one). :func:`write_report` writes all four files;
+price; the chosen operating point is the tuner's incumbent (:attr:`CurveReport.chosen`:
+the declared knob with the most pooled goodput, never one whose pooled SLO verdict
+is not MET). :func:`write_report` writes all four files;
 ``slotune export`` rebuilds the same files from :meth:`CurveReport.from_dict`.
 """
 
@@ -68,6 +69,10 @@ class TrialRecord:
     client_rejected: int = 0
     client_errors: int = 0
     note: str = ""  # why not feasible, or what went wrong
+    # What the tuner stores of the window (``search.points.observation_attrs`` plus
+    # ``feasible``): the request counts behind each verdict, so the report pools a
+    # knob's windows exactly as the tuner does. Not a CSV column. None: not known.
+    evidence: Mapping[str, Any] | None = None
 
     @classmethod
     def from_observation(
@@ -84,6 +89,8 @@ class TrialRecord:
     ) -> TrialRecord:
         def verdict(v: Any) -> tuple[str, int]:
             return ("none", 0) if v is None else (Verdict(v.verdict).value, int(v.samples))
+
+        from search.points import observation_attrs
 
         tv, tn = verdict(obs.ttft_verdict)
         pv, pn = verdict(obs.tpot_verdict)
@@ -114,10 +121,30 @@ class TrialRecord:
             client_rejected=int(client.rejected) if client else 0,
             client_errors=int(client_errors),
             note=note,
+            evidence={**observation_attrs(obs), "feasible": bool(feasible)},
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_num(v) for k, v in asdict(self).items()}
+
+    def window_attrs(self) -> dict[str, Any]:
+        """The window as the tuner stores it: :attr:`evidence` where known, else rebuilt
+        from the flat fields without request counts (pooling then falls back to a
+        majority vote of windows, as the tuner does for such a study)."""
+        if self.evidence is not None:
+            return dict(self.evidence)
+        slo_met = self.goodput_rps * self.window_s
+        return {
+            "feasible": self.feasible,
+            "goodput_rps": self.goodput_rps,
+            "throughput_rps": self.throughput_rps,
+            "slo_met": round(slo_met) if math.isfinite(slo_met) else 0,
+            "window_s": self.window_s,
+            "ttft_p99_s": self.p99_ttft_ms / 1e3 if math.isfinite(self.p99_ttft_ms) else None,
+            "tpot_p99_s": self.p99_tpot_ms / 1e3 if math.isfinite(self.p99_tpot_ms) else None,
+            "ttft_verdict": self.ttft_verdict,
+            "tpot_verdict": self.tpot_verdict,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrialRecord:
@@ -175,31 +202,54 @@ class CurveReport:
     knee_batch: int | None = None
     ridge_flops_per_byte: float | None = None
     predicted_batch: int | None = None  # the roofline's operating point (the seed)
+    confirmations: int = 2  # windows a knob needs to be declared (the tuner's stop rule)
     stop_reason: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)  # command, started, wall_s, target
 
     @property
     def chosen(self) -> TrialRecord | None:
-        """The operating point: among knobs whose every measurement met the SLO, the one with
-        the most mean goodput (ties: the earliest measured); its latest measurement is shown.
-        Stricter than the tuner's incumbent, which judges a re-measured knob on the pooled
-        requests of its windows (``search.evidence``): a knob with one window that missed is
-        never deployed here, even where the tuner declared it (and may stop on it)."""
+        """The operating point, by the tuner's own rule (one rule for both, so a run never
+        stops on a knob the report would not deploy): the knob with the most pooled goodput
+        among those *declared* — measured in at least ``confirmations`` windows whose SLO
+        verdicts, judged on the union of their requests, are both MET
+        (``search.stop_rule.incumbent``). When no knob is declared yet (the budget ran out
+        first), the best knob whose pooled windows met the SLO, marked unconfirmed in
+        :meth:`operating_point`. Never a knob whose pooled verdict is not MET. Its latest
+        measurement is returned."""
+        p = self._incumbent()
+        if p is None:
+            return None
+        return max(self.measurements_of(p.knobs), key=lambda t: t.number)
+
+    def _points(self) -> list[Any]:
+        """One ``search.stop_rule.PointSummary`` per knob (``search.points.summarize``)."""
+        from search.points import summarize
+        from search.space import Knobs
+
         groups: dict[tuple[int, int], list[TrialRecord]] = {}
         for t in self.trials:
             groups.setdefault((t.max_batch_size, t.max_concurrency), []).append(t)
-        best: tuple[float, int] | None = None
-        pick: TrialRecord | None = None
-        for ts in groups.values():
-            if not all(t.feasible and math.isfinite(t.goodput_rps) for t in ts):
-                continue
-            key = (sum(t.goodput_rps for t in ts) / len(ts), -min(t.number for t in ts))
-            if best is None or key > best:
-                best, pick = key, max(ts, key=lambda t: t.number)
-        return pick
+        return [
+            summarize(
+                Knobs(max_batch_size=b, max_concurrency=c),
+                [t.window_attrs() for t in ts],
+                values=[t.goodput_rps if math.isfinite(t.goodput_rps) else 0.0 for t in ts],
+                numbers=[t.number for t in ts],
+                slo=self.slo,
+            )
+            for (b, c), ts in groups.items()
+        ]
 
-    def measurements_of(self, t: TrialRecord) -> list[TrialRecord]:
-        """Every trial of the same knobs as ``t``."""
+    def _incumbent(self) -> Any | None:
+        from search.stop_rule import incumbent
+
+        points = self._points()
+        return incumbent(points, confirmations=self.confirmations) or incumbent(
+            points, confirmations=1
+        )
+
+    def measurements_of(self, t: Any) -> list[TrialRecord]:
+        """Every trial of the same knobs as ``t`` (a trial record or knobs)."""
         k = (t.max_batch_size, t.max_concurrency)
         return [x for x in self.trials if (x.max_batch_size, x.max_concurrency) == k]
 
@@ -225,10 +275,11 @@ class CurveReport:
         return t.tokens_per_s / p.tokens_per_s
 
     def operating_point(self) -> dict[str, Any] | None:
-        c = self.chosen
-        if c is None:
+        p = self._incumbent()
+        if p is None:
             return None
-        same = self.measurements_of(c)
+        same = self.measurements_of(p.knobs)
+        c = max(same, key=lambda t: t.number)
         return {
             "max_batch_size": c.max_batch_size,
             "max_concurrency": c.max_concurrency,
@@ -245,7 +296,10 @@ class CurveReport:
             "tpot_samples": c.tpot_samples,
             "roofline_fraction": self.roofline_fraction(c),
             "measurements": len(same),
-            "mean_goodput_rps": sum(t.goodput_rps for t in same) / len(same),
+            "met_windows": sum(t.feasible for t in same),
+            # declared on `confirmations` windows, as the tuner's stop rule requires
+            "confirmed": p.declared(self.confirmations),
+            "mean_goodput_rps": p.goodput_rps,  # pooled: SLO-meeting requests / window time
         }
 
     def sample_hint(self) -> str:
@@ -312,6 +366,7 @@ class CurveReport:
                 "knee_batch": self.knee_batch,
                 "ridge_flops_per_byte": self.ridge_flops_per_byte,
                 "predicted_batch": self.predicted_batch,
+                "confirmations": self.confirmations,
                 "predicted_slo_cut_batch": cut.batch if cut else None,
                 "client_cross_check": self.cross_check(),
                 "stop_reason": self.stop_reason,
@@ -342,6 +397,7 @@ class CurveReport:
             knee_batch=d.get("knee_batch"),
             ridge_flops_per_byte=d.get("ridge_flops_per_byte"),
             predicted_batch=d.get("predicted_batch"),
+            confirmations=int(d.get("confirmations") or 2),
             stop_reason=d.get("stop_reason", ""),
             meta=d.get("meta") or {},
         )
@@ -361,7 +417,7 @@ def _json_num(x: Any) -> Any:
     return x
 
 
-CSV_COLUMNS = [f.name for f in fields(TrialRecord)] + ["roofline_fraction"]
+CSV_COLUMNS = [f.name for f in fields(TrialRecord) if f.name != "evidence"] + ["roofline_fraction"]
 
 
 def write_csv(report: CurveReport, path: Path) -> None:
@@ -370,6 +426,7 @@ def write_csv(report: CurveReport, path: Path) -> None:
         w.writeheader()
         for t in report.trials:
             row = {**asdict(t), "roofline_fraction": report.roofline_fraction(t)}
+            row.pop("evidence", None)
             w.writerow(
                 {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             )

@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -123,6 +123,9 @@ def run_tune(
     """Tune ``target`` until the stop rule, ``max_trials`` or the time budget; export the
     report into ``out_dir`` and leave the target on the last known-good knobs."""
     progress = progress or Progress()
+    rule = getattr(tuner, "stop_rule", None)
+    if rule is not None:  # the report declares a knob on as many windows as the tuner
+        base = replace(base, confirmations=rule.confirmations)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "trials.jsonl"
@@ -152,9 +155,9 @@ def run_tune(
                     f"time budget ({limits.time_budget_s:.0f} s) spent after {elapsed:.0f} s"
                 )
                 break
-            # Stop on the tuner's rule only once the report has a point it would deploy
-            # (every window of it met): the tuner may declare a knob on pooled windows
-            # one of which missed; then the budget is better spent measuring on.
+            # Stop on the tuner's rule only with a point to deploy (the report chooses by
+            # the tuner's own rule; a tuner stopping at its max_trials without one has
+            # nothing to deploy, and the budget is better spent measuring on).
             if tuner.should_stop() and base.with_trials(records).chosen is not None:
                 why = getattr(tuner, "stop_reason", lambda: None)()
                 stop_reason = f"stop rule: {why}" if why else "stop rule"

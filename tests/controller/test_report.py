@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from controller.report import (
@@ -288,3 +289,67 @@ def test_windows_too_small_for_a_verdict_say_what_to_do(tmp_path: Path) -> None:
     assert "3 of 3 windows" in hint and "at most 40 requests" in hint and "299" in hint
     assert hint in write_report(r, tmp_path)["report.html"].read_text()
     assert sample_report().sample_hint() == ""  # verdicts were reached there
+
+
+def _window(n: int, tpot_s: float, secs: float, *, slow: int = 0, seed: int = 0) -> Observation:
+    """``n`` requests in ``secs`` around ``tpot_s``, ``slow`` of them over the TPOT SLO."""
+    from metrics.build import observation_from_requests
+
+    rng = np.random.default_rng(seed)
+    tpot = list(rng.uniform(0.8, 1.0, n) * tpot_s)
+    for i in range(slow):
+        tpot[i] = SLO.tpot_p99_s * 1.5
+    return observation_from_requests(
+        slo=SLO, start_s=0.0, end_s=secs, ttft_s=[0.2] * n, tpot_s=tpot, generated_tokens=8 * n
+    )
+
+
+def test_the_report_chooses_exactly_what_the_tuner_declares(tmp_path: Path) -> None:
+    """One rule for both: a knob whose short windows were each too small for a p99 verdict
+    but whose pooled requests meet the SLO is deployed (the old every-window rule refused
+    it, and a live run stopped 'stable' with no point); a knob with a violated window
+    pooled into VIOLATED is not, even where its goodput is higher."""
+    from search.space import Knobs, SearchSpace
+    from search.tuner import Tuner
+
+    tuner = Tuner(
+        space=SearchSpace(batch_min=1, batch_max=256, headroom_max=4.0),
+        slo=SLO,
+        storage=f"sqlite:///{tmp_path / 's.db'}",
+        study_name="one-rule",
+        seed_knobs=[],
+    )
+    windows = [
+        (Knobs(max_batch_size=16, max_concurrency=16), _window(200, 0.03, 5.0, seed=1)),
+        (Knobs(max_batch_size=64, max_concurrency=64), _window(400, 0.04, 5.0, seed=2)),
+        (Knobs(max_batch_size=16, max_concurrency=16), _window(200, 0.03, 5.0, seed=3)),
+        (Knobs(max_batch_size=64, max_concurrency=64), _window(400, 0.04, 5.0, slow=30, seed=4)),
+        (Knobs(max_batch_size=8, max_concurrency=8), _window(400, 0.02, 20.0, seed=5)),
+        (Knobs(max_batch_size=8, max_concurrency=8), _window(400, 0.02, 20.0, seed=6)),
+    ]
+    records = []
+    for knobs, obs in windows:
+        told = tuner.report(knobs, obs)
+        records.append(
+            TrialRecord.from_observation(
+                number=told.number, knobs=knobs, obs=obs, feasible=told.feasible
+            )
+        )
+    # The first B=16 window alone cannot call a p99 (200 requests): not feasible on its own.
+    assert records[0].tpot_verdict == "insufficient" and not records[0].feasible
+    best = tuner.best()
+    assert best is not None and best[0] == Knobs(max_batch_size=16, max_concurrency=16)
+    r = sample_report(records)
+    c = r.chosen
+    assert c is not None and (c.max_batch_size, c.max_concurrency) == (16, 16)
+    assert c.number == records[2].number  # its latest measurement
+    op = r.operating_point()
+    assert op["confirmed"] is True and op["measurements"] == 2 and op["met_windows"] == 0
+    # The same answer from the exported JSON (what `slotune export` reads back).
+    back = CurveReport.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.chosen == c
+    # With B=16 measured once, nothing is declared: the report falls back to the best
+    # single window that met the SLO, marked unconfirmed, as `slotune simulate` does.
+    only = sample_report(records[:2])
+    assert only.chosen is not None and only.chosen.max_batch_size == 64
+    assert only.operating_point()["confirmed"] is False
