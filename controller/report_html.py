@@ -231,6 +231,20 @@ def explain(report: CurveReport) -> list[str]:
         report.usd_per_hour, c.tokens_per_s, str(report.meta.get("price", ""))
     )
     lines.append(rec)
+    op = report.operating_point() or {}
+    n, met = op.get("measurements", 1), op.get("met_windows", 0)
+    if op.get("confirmed"):
+        lines.append(
+            f"It was measured in {n} windows ({met} of them met both SLOs on their own); "
+            "on their pooled requests both p99s are within the SLO, which is how the tuner "
+            f"declares a point (at least {report.confirmations} windows)."
+        )
+    else:
+        lines.append(
+            f"Caution: it was measured in only {n} window(s), fewer than the "
+            f"{report.confirmations} the tuner needs to declare a point (the run ended "
+            "first); re-measure it before shipping."
+        )
     frac = report.roofline_fraction(c)
     if math.isfinite(frac):
         lines.append(
