@@ -37,6 +37,7 @@ from serving.app import (
     LiveConfig,
     ServerArgs,
 )
+from serving.server_config import REPLICA_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,12 @@ def _apply(client: Any, name: str, app_config: dict[str, Any]) -> None:
     client.deploy_apps(schema)
 
 
+def _with_replica_env(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    env = dict(runtime_env or {})
+    env["env_vars"] = {**REPLICA_ENV_VARS, **(env.get("env_vars") or {})}
+    return env
+
+
 def app_config(
     *,
     name: str,
@@ -164,7 +171,10 @@ def app_config(
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml)."""
+    """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml).
+
+    ``runtime_env`` gets ``env_vars`` :data:`REPLICA_ENV_VARS` under the caller's own.
+    """
     if not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
         raise ValueError(f"max_ongoing_requests={max_ongoing_requests!r}: must be an integer >= 1")
     if not isinstance(max_queued_requests, int) or not (
@@ -185,7 +195,7 @@ def app_config(
         "name": name,
         "route_prefix": route_prefix,
         "import_path": IMPORT_PATH,
-        "runtime_env": dict(runtime_env or {}),
+        "runtime_env": _with_replica_env(runtime_env),
         "args": args.to_args(),
         "deployments": [
             {

@@ -27,6 +27,19 @@ OMP_WAIT_POLICIES = ("passive", "active")
 # key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
 KV_NAMESPACE = "slotune"
 DEFAULT_STREAM_INTERVAL_S = 0.02
+# Environment of every replica process, carried in the app's ``runtime_env``
+# (serving.deploy.app_config, deploy/serve-config.yaml) so that it holds wherever
+# the app runs, not only on a Ray that slotune started (serving.deploy.RAY_ENV_DEFAULTS
+# sets the same for the whole local cluster, the HTTP proxy included):
+# - RAY_worker_niceness=0: Ray renices worker processes to 15, so any ordinary
+#   process on the machine takes the CPU from the replica first (Ray's own job
+#   supervisor actor is started with this same runtime_env variable);
+# - RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0: request handlers run on the
+#   replica's main event loop (one cross-thread hop less per streamed event).
+REPLICA_ENV_VARS: dict[str, str] = {
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
 
 
 def _is_int(v: object) -> bool:

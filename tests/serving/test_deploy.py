@@ -19,6 +19,7 @@ import yaml
 from metrics.observation import Slo
 from serving.app import DEPLOYMENT_NAME, LiveConfig, ServerArgs
 from serving.deploy import IMPORT_PATH, app_config
+from serving.server_config import REPLICA_ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,28 @@ def test_rayservice_embeds_a_valid_serve_config() -> None:
     assert app.import_path == IMPORT_PATH
     ServerArgs.from_args(app.args)
     LiveConfig.from_user_config(app.deployments[0].user_config)
+
+
+def test_replica_env_reaches_every_config_and_the_callers_env_wins() -> None:
+    base = {
+        "name": "a",
+        "route_prefix": "/",
+        "args": ServerArgs(),
+        "live": LiveConfig(max_batch_size=8),
+        "max_ongoing_requests": 4,
+        "max_queued_requests": -1,
+    }
+    assert app_config(**base)["runtime_env"] == {"env_vars": REPLICA_ENV_VARS}
+    mine = {"working_dir": ".", "env_vars": {"RAY_worker_niceness": "5", "X": "1"}}
+    env = app_config(**base, runtime_env=mine)["runtime_env"]
+    assert env["working_dir"] == "."
+    assert env["env_vars"] == {**REPLICA_ENV_VARS, "RAY_worker_niceness": "5", "X": "1"}
+    assert mine["env_vars"] == {"RAY_worker_niceness": "5", "X": "1"}  # not mutated
+    # What update_knobs sends back must hash to the same code version: idempotent.
+    again = app_config(**base, runtime_env=app_config(**base)["runtime_env"])
+    assert again["runtime_env"] == app_config(**base)["runtime_env"]
+    raw = yaml.safe_load((ROOT / "deploy/serve-config.yaml").read_text())
+    assert raw["applications"][0]["runtime_env"]["env_vars"] == REPLICA_ENV_VARS
 
 
 @pytest.mark.parametrize(
