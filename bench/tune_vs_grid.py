@@ -37,6 +37,7 @@ from controller.targets import RayServeTarget, RequestShape, WindowPlan  # noqa:
 from controller.tune import Progress, TuneLimits, run_tune  # noqa: E402
 from metrics.observation import Slo  # noqa: E402
 from search.objective import evaluate  # noqa: E402
+from search.points import summarize  # noqa: E402
 from search.space import Knobs  # noqa: E402
 from search.tuner import Tuner  # noqa: E402
 
@@ -202,6 +203,17 @@ def main() -> None:
     ratio = pick_g / best_g if best_g and best_g > 0 else math.nan
     pick_ok = sum(t.feasible for t in duel["pick"])
     best_ok = sum(t.feasible for t in duel["best"])
+
+    def pooled(ts: list[TrialRecord]) -> str | None:
+        """Both SLOs judged on the union of the windows' requests (the tuner's rule)."""
+        if not ts:
+            return None
+        k = Knobs(max_batch_size=ts[0].max_batch_size, max_concurrency=ts[0].max_concurrency)
+        p = summarize(k, [t.window_attrs() for t in ts], values=[t.goodput_rps for t in ts],
+                      numbers=[t.number for t in ts], slo=slo)  # fmt: skip
+        return None if p.pooled is None else p.pooled.value
+
+    pick_pool, best_pool = pooled(duel["pick"]), pooled(duel["best"])
     same = [] if chosen is None else outcome.report.measurements_of(chosen)
     tune_g = mean(same)
     ratio_tune_time = tune_g / best.goodput_rps if best and best.goodput_rps > 0 else math.nan
@@ -210,7 +222,7 @@ def main() -> None:
         cells = "  ".join(
             f"{t.goodput_rps:.2f} {'ok' if t.feasible else 'miss'}" for t in duel[name]
         )
-        print(f"  {name}: {cells}")
+        print(f"  {name}: {cells}; pooled: {pooled(duel[name])}")
     print(
         f"pick / grid best goodput: {ratio:.3f} (re-measured, alternating); "
         f"{ratio_tune_time:.3f} (pick as measured while tuning vs the grid's measurement)"
@@ -234,6 +246,8 @@ def main() -> None:
         "best_goodput_rps_remeasured": None if math.isnan(best_g) else round(best_g, 3),
         "pick_feasible_windows": f"{pick_ok}/{len(duel['pick'])}",
         "best_feasible_windows": f"{best_ok}/{len(duel['best'])}",
+        "pick_pooled_verdict": pick_pool,
+        "best_pooled_verdict": best_pool,
         "ratio": None if math.isnan(ratio) else round(ratio, 3),
         "ratio_tune_time": None if math.isnan(ratio_tune_time) else round(ratio_tune_time, 3),
         "load_average_1m": round(os.getloadavg()[0], 1),
