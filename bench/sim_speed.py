@@ -44,22 +44,29 @@ from search.space import Knobs  # noqa: E402
 from serving import sim as current_sim  # noqa: E402
 from serving.scheduler import StepPlan  # noqa: E402
 
-REF_MODULES = ("scheduler", "sim", "workload", "step_plan")
+REF_MODULES = ("scheduler", "sim", "workload", "step_plan", "seq_state")  # serving/<name>.py
+REF_CONTROLLER = "sim_decode_run"  # controller/<name>.py, when the reference has it
 
 
-def load_reference(ref: str) -> ModuleType:
-    """serving/sim.py (and the serving modules it imports) as they were at git ``ref``."""
+@dataclass(frozen=True)
+class Reference:
+    sim: ModuleType  # serving/sim.py at the reference
+    runs: type | None  # its DecodeRunStepTime (None: it had none)
+
+
+def load_reference(ref: str) -> Reference:
+    """serving/sim.py (with the serving modules it imports) and controller/sim_decode_run.py
+    as they were at git ``ref``, imported under a private package name."""
     pkg = f"_sim_ref_{abs(hash(ref)) % 10**8}"
     tmp = Path(tempfile.mkdtemp(prefix="sim_speed_")) / pkg
     tmp.mkdir()
     (tmp / "__init__.py").write_text("")
-    for name in REF_MODULES:
+    files = [(f"serving/{n}.py", n) for n in REF_MODULES]
+    files.append((f"controller/{REF_CONTROLLER}.py", REF_CONTROLLER))
+    have = []
+    for path, name in files:
         r = subprocess.run(
-            ["git", "show", f"{ref}:serving/{name}.py"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
+            ["git", "show", f"{ref}:{path}"], cwd=ROOT, capture_output=True, text=True, check=False
         )
         if r.returncode != 0:
             continue  # a module the reference did not have
@@ -67,8 +74,13 @@ def load_reference(ref: str) -> ModuleType:
         for other in REF_MODULES:
             src = src.replace(f"from serving.{other} import", f"from {pkg}.{other} import")
         (tmp / f"{name}.py").write_text(src)
+        have.append(name)
     sys.path.insert(0, str(tmp.parent))
-    return importlib.import_module(f"{pkg}.sim")
+    sim = importlib.import_module(f"{pkg}.sim")
+    runs = None
+    if REF_CONTROLLER in have:
+        runs = importlib.import_module(f"{pkg}.{REF_CONTROLLER}").DecodeRunStepTime
+    return Reference(sim=sim, runs=runs)
 
 
 def knobs_for(target: SimTarget, quick: bool) -> list[Knobs]:
@@ -89,7 +101,7 @@ def knobs_for(target: SimTarget, quick: bool) -> list[Knobs]:
 class Variant:
     label: str
     sim: ModuleType  # a module with simulate()
-    runs: bool  # hand it the step time with decode_run (controller/sim_decode_run.py)
+    runs: type | None  # the step-time wrapper with decode_run to hand it (None: plain)
 
 
 class Timed:
@@ -108,7 +120,7 @@ class Timed:
 
 def run_one(v: Variant, target: SimTarget, k: Knobs, seed: int, timed: bool = False):
     cfg = target.sim_config
-    fn: Callable[[StepPlan], float] = DecodeRunStepTime(target) if v.runs else target.step_time
+    fn: Callable[[StepPlan], float] = v.runs(target) if v.runs else target.step_time
     if timed:
         fn = Timed(fn)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -190,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="*", default=None, choices=sorted(SCENARIOS))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    variants = [Variant("runs", current_sim, True), Variant("stepwise", current_sim, False)]
+    variants = [
+        Variant("runs", current_sim, DecodeRunStepTime),
+        Variant("stepwise", current_sim, None),
+    ]
     if args.against:
-        variants.append(Variant(f"ref:{args.against}", load_reference(args.against), False))
+        ref = load_reference(args.against)
+        variants.append(Variant(f"ref:{args.against}", ref.sim, ref.runs))
     reps = 1 if args.quick else args.reps
     names = args.scenarios or list(SCENARIOS)
     load0 = os.getloadavg()

@@ -1,15 +1,25 @@
-"""A SimTarget's step time with the simulator's fast path: runs of decode-only steps at once.
+"""A SimTarget's step time, fast: a scalar mirror per step and runs of decode-only steps.
 
-serving/sim.py times a run of decode-only steps (nothing admitted, prefilled or
-finished in between) in one call when its step-time function also offers
-``decode_run(batch, kv_tokens[m]) -> seconds[m]``. :class:`DecodeRunStepTime` wraps
-:meth:`SimTarget.step_time` with a numpy form of the same arithmetic (the peak
-roofline's ``step_time_detailed_s`` with no prefill, or its calibrated form, then
-the scenario's :class:`Efficiency`), operation for operation and in the same order,
-so every float is the same bits as the scalar call. Each run is also checked, at its
-first and last step, against the scalar function; on any difference the whole run
-is timed step by step and a warning is logged once: a change in the roofline's
-arithmetic costs speed here, never exactness.
+The simulator calls the step-time function once per planned step and, when it also
+offers ``decode_run(batch, kv_tokens[m]) -> seconds[m]``, times a run of decode-only
+steps (nothing admitted, prefilled or finished in between) in one call
+(serving/sim.py). :class:`DecodeRunStepTime` wraps :meth:`SimTarget.step_time` with
+both, computed from constants of the scenario taken once:
+
+- ``__call__``: the same arithmetic as ``SimTarget.step_time`` (the peak roofline's
+  ``step_time_detailed_s`` of the plan's totals, then the scenario's
+  :class:`Efficiency`), operation for operation and in the same order, so every float
+  is the same bits, at a fraction of the cost (no property chains, the efficiency
+  factor cached per batch). It reads ``plan.totals()``, so the plan's entries are
+  never built. Calibrated devices (decode tables) take ``SimTarget.step_time`` itself.
+- ``decode_run``: its numpy form for decode-only plans; each run is checked at its
+  first and last step against the scalar function.
+
+The mirror is checked against ``SimTarget.step_time`` when built (a grid of plan
+shapes: decode batches, KV tokens, prefill tokens and chunks) and on every 512th call
+after; on any difference it is switched off (the run is timed step by step) and a
+warning is logged once: a change in the roofline's arithmetic costs speed here, and
+the checks are there so that it does not cost exactness.
 
 Use: ``simulate(..., step_time=DecodeRunStepTime(target))``.
 """
@@ -17,47 +27,171 @@ Use: ``simulate(..., step_time=DecodeRunStepTime(target))``.
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from serving.scheduler import StepPlan
+from serving.scheduler import PrefillChunk, StepPlan
 
 if TYPE_CHECKING:
     from controller.sim_target import SimTarget
 
 logger = logging.getLogger(__name__)
 
+_CHECK_EVERY = 512  # calls between two checks of the scalar mirror (a power of two)
 
-def _no_entries() -> tuple:
-    return ()
+
+def _entries(lean: tuple) -> tuple[tuple, tuple]:
+    return (), lean[-1]
+
+
+def plan_of(batch: int, kv_tokens: int, chunk_lengths: tuple[int, ...] = ()) -> StepPlan:
+    """A plan of ``batch`` decoding sequences reading ``kv_tokens`` cached tokens and a
+    first prefill chunk of each given length (its decode entries are not known: for
+    step-time functions that read only the totals and the chunks)."""
+    chunks = tuple(
+        PrefillChunk(request_id=f"c{j}", slot=j, start=0, length=n, last=True, token_ids=None)
+        for j, n in enumerate(chunk_lengths)
+    )
+    return StepPlan.lean((batch, kv_tokens, sum(chunk_lengths), len(chunks), -1, _entries, chunks))
 
 
 def decode_only_plan(batch: int, kv_tokens: int) -> StepPlan:
-    """A decode-only plan of ``batch`` sequences reading ``kv_tokens`` cached tokens (its
-    entries are not known: for step-time functions that read only the totals)."""
-    return StepPlan.lean(
-        decode_batch=batch,
-        kv_tokens=kv_tokens,
-        make_decode=partial(_no_entries),
-        prefill=(),
-        step=-1,
-        seqs=(),
-    )
+    """A decode-only plan of ``batch`` sequences reading ``kv_tokens`` cached tokens."""
+    return plan_of(batch, kv_tokens)
+
+
+def _check_grid(capacity: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Plan shapes the mirror is checked on: (batch, kv tokens, chunk lengths)."""
+    out = []
+    for b in sorted({0, 1, 2, 3, 7, 64, max(1, capacity)}):
+        for ctx in (1, 37, 300) if b else (0,):
+            for chunks in ((), (1,), (17,), (100, 28), (5, 200, 51)):
+                if b or chunks:
+                    out.append((b, b * ctx + (b // 2), chunks))
+    return out
 
 
 class DecodeRunStepTime:
-    """``target.step_time`` plus ``decode_run`` (see module doc)."""
+    """``target.step_time`` made fast, plus ``decode_run`` (see module doc)."""
 
     def __init__(self, target: SimTarget) -> None:
         self.target = target
         self._per_batch: dict[int, tuple[float, ...]] = {}
+        self._factor: dict[int, float] = {}  # the efficiency's factor per decode batch
         self.runs = 0  # decode_run calls
         self.fallbacks = 0  # ... timed step by step instead
+        self._calls = 0
+        self._scalar: tuple | None = None
+        self._for: tuple[object, object] | None = None  # (roofline, efficiency) it mirrors
+        self._mirrored()
+
+    # ---- one step --------------------------------------------------------------------
 
     def __call__(self, plan: StepPlan) -> float:
-        return self.target.step_time(plan)
+        t = self.target
+        c = self._scalar
+        f = self._for
+        if c is None or f is None or t.roofline is not f[0] or t.efficiency is not f[1]:
+            c = self._mirrored()
+            if c is None:
+                return t.step_time(plan)
+        self._calls += 1
+        if not self._calls & (_CHECK_EVERY - 1):
+            return self._checked(plan)
+        return self._mirror(plan.totals(), c)
+
+    def _mirror(self, totals: tuple[int, int, int, int], c: tuple) -> float:
+        """SimTarget.step_time, uncalibrated roofline, for a plan of these totals."""
+        (interf, overhead, tp, wb, kvb, mm_rest, head, attn4, bw, peak, hb, lat, c_ar, ar_l) = c
+        b, kv, ptok, nchunks = totals
+        p = round(ptok * interf)
+        # Roofline._shape: prefill_sequences = nchunks or None.
+        seqs = nchunks if nchunks else (1 if p else 0)
+        rows = b + p
+        if rows == 0:
+            roof = 0.0
+        else:
+            head_rows = b + seqs
+            pairs = kv + p * (p + 1) // 2
+            comm = 0.0 if tp == 1 or rows <= 0 else ar_l * (lat + c_ar * (rows * hb) / bw[1])
+            mem_s = (wb + (kv + p) * kvb) / bw[0]
+            comp_s = ((2 * (mm_rest * rows + head * head_rows)) + attn4 * pairs) / tp / peak
+            roof = max(mem_s, comp_s) + comm
+        f = self._factor.get(b)
+        if f is None:
+            f = self._factor[b] = self.target.efficiency.factor(max(1, b))
+        return overhead + roof / f
+
+    def _checked(self, plan: StepPlan) -> float:
+        want = self.target.step_time(plan)
+        got = self._mirror(plan.totals(), self._scalar)
+        if got != want:
+            self._disable(f"plan totals {plan.totals()}: {got!r} != {want!r}")
+        return want
+
+    def _mirrored(self) -> tuple | None:
+        """The mirror's constants for the target's roofline and efficiency as they are now
+        (built and checked again when either was replaced); None: step_time itself."""
+        t = self.target
+        now = (t.roofline, t.efficiency)
+        if self._for is not None and now[0] is self._for[0] and now[1] is self._for[1]:
+            return self._scalar
+        self._for = now
+        self._factor = {}
+        self._scalar = self._scalar_constants()
+        if self._scalar is not None:
+            self._check_mirror()
+        return self._scalar
+
+    def _disable(self, why: str) -> None:
+        logger.warning(
+            "the scalar step time differs from %s.step_time (%s): timing each step with it"
+            " (the roofline's arithmetic changed; update controller/sim_decode_run.py)",
+            type(self.target).__name__,
+            why,
+        )
+        self._scalar = None
+
+    def _scalar_constants(self) -> tuple | None:
+        """What SimTarget.step_time computes that no plan changes (None: no mirror)."""
+        r = self.target.roofline
+        if r.calibrated:
+            return None
+        m = r.model
+        eff = self.target.efficiency
+        hw = r.hardware
+        ints = (m.matmul_params, m.embedding_params, m.layers, m.heads, m.head_dim, m.hidden)
+        if not all(type(v) is int for v in (*ints, r.bytes_per_elem, r.tp)):
+            return None  # the mirror regroups integer products only
+        head = m.embedding_params
+        return (
+            eff.prefill_interference,
+            eff.overhead_s,
+            r.tp,
+            r.weight_bytes_read_per_device,
+            r.kv_bytes_per_token_per_device,
+            m.matmul_params - head,
+            head,
+            4 * m.layers * m.heads * m.head_dim,
+            (hw.mem_bandwidth, hw.interconnect_bandwidth),
+            r.peak_flops,
+            m.hidden * r.bytes_per_elem,
+            hw.interconnect_latency_s,
+            2 * (r.tp - 1) / r.tp,
+            2 * m.layers,
+        )
+
+    def _check_mirror(self) -> None:
+        scalar = self.target.step_time
+        for b, kv, chunks in _check_grid(self.target.sim_config.max_slots):
+            plan = plan_of(b, kv, chunks)
+            got, want = self._mirror(plan.totals(), self._scalar), scalar(plan)
+            if got != want:
+                self._disable(f"batch {b}, kv {kv}, chunks {chunks}: {got!r} != {want!r}")
+                return
+
+    # ---- a run of decode-only steps -----------------------------------------------------
 
     def decode_run(self, batch: int, kv_tokens: np.ndarray) -> np.ndarray:
         """Step times of decode-only plans of ``batch`` sequences reading ``kv_tokens`` [m]."""

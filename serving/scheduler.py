@@ -38,10 +38,11 @@ cost is ``StepPlan.prefill_tokens``.
 Cost: a step is O(1) in the decode batch. The scheduler keeps the decoding set
 with running sums (its size, its KV tokens), finds the requests that reach
 ``max_tokens`` in a heap keyed by the step they do so, and the plan's decode
-entries are built only when ``plan.decode`` is read (serving/step_plan.py). Work
-is per prefill chunk, per admission, per finish and per token handed to
-``update`` (the engine hands one per sequence; the simulator none), so the
-simulator runs a batch of hundreds at the cost of a handful.
+entries and prefill chunks are built only when ``plan.decode`` or ``plan.prefill``
+is read (serving/step_plan.py, serving/seq_state.py). Work is per prefill chunk,
+per admission, per finish and per token handed to ``update`` (the engine hands one
+per sequence; the simulator none), so the simulator runs a batch of hundreds at
+the cost of a handful.
 
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /
@@ -53,13 +54,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from functools import partial
 
+from serving.seq_state import Chunk, Seq, build_entries
 from serving.step_plan import (
+    LEAN_DATA,
+    LEAN_STEP,
     DecodeEntry,
     Finished,
     PrefillChunk,
@@ -68,7 +69,6 @@ from serving.step_plan import (
     SeqRequest,
     StepPlan,
     _is_int,
-    new_chunk,
     new_finished,
 )
 
@@ -85,37 +85,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(kw_only=True, eq=False, slots=True)
-class _Seq:
-    """A running request. While it decodes, its position and generated count follow from
-    the step index alone: at step ``k`` it has ``1 + k - dec_start`` tokens and feeds the
-    last one at position ``prompt_len + k - dec_start``. So a step costs nothing per
-    decoding sequence, and a plan's decode entries can be built whenever they are read."""
-
-    req: SeqRequest
-    slot: int
-    admitted_s: float
-    order: int  # admission number: finished requests come back in this order
-    computed: int = 0  # prompt tokens already in the cache
-    dec_start: int = -1  # the step index of its first decode (-1: still prefilling)
-    tokens: list[int | None] | None = None  # sampled tokens by sample index (None: none given)
-    first_token_s: float = math.nan
-
-    def entry(self, k: int) -> DecodeEntry:
-        """Its decode entry in the plan of step ``k``."""
-        i = k - self.dec_start
-        toks = self.tokens
-        return DecodeEntry(
-            request_id=self.req.request_id,
-            slot=self.slot,
-            position=self.req.prompt_len + i,
-            token=toks[i] if toks is not None and i < len(toks) else None,
-        )
-
-
-def _decode_entries(seqs: tuple[_Seq, ...], k: int) -> tuple[DecodeEntry, ...]:
-    return tuple(s.entry(k) for s in seqs)
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+_lean_plan = StepPlan.lean
 
 
 class Scheduler:
@@ -124,15 +96,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._max_batch_size = config.max_batch_size
+        self._max_len = config.max_len
+        self._chunk_budget = config.prefill_chunk
         self._waiting: deque[SeqRequest] = deque()
         self._waiting_ids: set[str] = set()
-        self._running: dict[str, _Seq] = {}  # insertion order = admission order
-        self._prefilling: dict[str, _Seq] = {}  # running, prompt not fully cached
-        self._decoding: dict[str, _Seq] = {}  # running, decoding (admission order, see update)
-        self._decode_view: tuple[_Seq, ...] = ()  # _decoding as a tuple, rebuilt when it changes
+        self._running: dict[str, Seq] = {}  # insertion order = admission order
+        self._prefilling: dict[str, Seq] = {}  # running, prompt not fully cached
+        self._decoding: dict[str, Seq] = {}  # running, decoding (admission order, see update)
+        self._decode_view: tuple[Seq, ...] = ()  # _decoding as a tuple, rebuilt when it changes
         self._decode_dirty = False
         self._kv_base = 0  # sum over _decoding of prompt_len + 1 - dec_start (see kv_tokens)
-        self._ends: list[tuple[int, int, _Seq]] = []  # (step of its last token, order, seq)
+        self._ends: list[tuple[int, int, Seq]] = []  # (step of its last token, order, seq)
         self._step = 0  # updates applied: the index of the next plan
         self._admitted = 0
         self._saw_tokens = False  # update got tokens: a skipped step would lose one
@@ -156,16 +130,27 @@ class Scheduler:
 
     def add(self, req: SeqRequest) -> None:
         """Queue a request; ValueError (naming the value) if it cannot be served."""
-        self.validate(req.prompt_len, req.max_tokens)
-        if req.prompt_ids is not None and len(req.prompt_ids) != req.prompt_len:
-            raise ValueError(
-                f"prompt_ids has {len(req.prompt_ids)} tokens but prompt_len={req.prompt_len}"
-            )
-        if self.is_active(req.request_id):
-            raise ValueError(f"request_id={req.request_id!r}: already in use")
+        plen = req.prompt_len
+        mt = req.max_tokens
+        # The common case in one test (plain ints that fit); anything else the full check.
+        if not (
+            type(plen) is int
+            and type(mt) is int
+            and plen >= 1
+            and mt >= 1
+            and plen + mt <= self._max_len
+        ):
+            self.validate(plen, mt)
+        ids = req.prompt_ids
+        if ids is not None and len(ids) != plen:
+            raise ValueError(f"prompt_ids has {len(ids)} tokens but prompt_len={plen}")
+        rid = req.request_id
+        if rid in self._running or rid in self._waiting_ids:
+            raise ValueError(f"request_id={rid!r}: already in use")
         self._waiting.append(req)
-        self._waiting_ids.add(req.request_id)
-        self._clock = max(self._clock, req.arrival_s)
+        self._waiting_ids.add(rid)
+        if req.arrival_s > self._clock:
+            self._clock = req.arrival_s
 
     def abort(self, request_id: str) -> bool:
         """Drop a request, waiting or running; its slot is free at once."""
@@ -174,10 +159,10 @@ class Scheduler:
             if seq.dec_start >= 0:
                 del self._decoding[request_id]
                 self._decode_dirty = True
-                self._kv_base -= seq.req.prompt_len + 1 - seq.dec_start
+                self._kv_base -= seq.plen + 1 - seq.dec_start
             else:
                 self._prefilling.pop(request_id, None)
-            heapq.heappush(self._free, seq.slot)
+            _heappush(self._free, seq.slot)
             return True
         if request_id in self._waiting_ids:
             self._waiting_ids.discard(request_id)
@@ -200,7 +185,7 @@ class Scheduler:
         """Decode every prefilled running request; spend the prefill budget FIFO.
 
         O(1) in the decode batch: its size and KV tokens are running sums, and the
-        entries are materialised only when ``plan.decode`` is read."""
+        entries are materialised only when ``plan.decode``/``plan.prefill`` is read."""
         if now_s is not None and now_s > self._clock:
             self._clock = now_s
         k = self._step
@@ -208,63 +193,51 @@ class Scheduler:
             self._decode_view = tuple(self._decoding.values())
             self._decode_dirty = False
         dseqs = self._decode_view
-        budget = self.config.prefill_chunk
-        prefill: list[PrefillChunk] = []
-        pseqs: list[_Seq] = []
+        budget = self._chunk_budget
+        chunks: list[Chunk] = []
         for s in self._prefilling.values():  # admission order: the oldest prompt first
+            start = s.computed
+            length = s.plen - start
+            if length > budget:
+                length = budget
+            chunks.append((s, start, length))
+            budget -= length
             if budget == 0:
                 break
-            budget -= self._chunk(s, budget, prefill)
-            pseqs.append(s)
-        while (
-            budget > 0
-            and self._waiting
-            and self._free
-            and len(self._running) < self._max_batch_size
-        ):
-            req = self._waiting.popleft()
-            rid = req.request_id
-            self._waiting_ids.discard(rid)
-            s = _Seq(
-                req=req,
-                slot=heapq.heappop(self._free),
-                admitted_s=max(self._clock, req.arrival_s),
-                order=self._admitted,
-            )
-            self._admitted += 1
-            self._running[rid] = s
-            self._prefilling[rid] = s
-            budget -= self._chunk(s, budget, prefill)
-            pseqs.append(s)
+        waiting = self._waiting
+        running = self._running
+        free = self._free
+        if budget and waiting and free and len(running) < self._max_batch_size:
+            clock = self._clock
+            prefilling = self._prefilling
+            waiting_ids = self._waiting_ids
+            while True:
+                req = waiting.popleft()
+                waiting_ids.discard(req.request_id)
+                at = req.arrival_s
+                s = Seq(req, _heappop(free), clock if clock > at else at, self._admitted)
+                self._admitted += 1
+                running[s.rid] = s
+                prefilling[s.rid] = s
+                length = s.plen
+                if length > budget:
+                    length = budget
+                chunks.append((s, 0, length))
+                budget -= length
+                if not (budget and waiting and free and len(running) < self._max_batch_size):
+                    break
         n = len(dseqs)
-        return StepPlan.lean(
-            decode_batch=n,
-            kv_tokens=self._kv_base + n * k,
-            make_decode=partial(_decode_entries, dseqs, k),
-            prefill=tuple(prefill),
-            step=k,
-            seqs=tuple(pseqs),
-        )
-
-    @staticmethod
-    def _chunk(s: _Seq, budget: int, out: list[PrefillChunk]) -> int:
-        start = s.computed
-        plen = s.req.prompt_len
-        length = plen - start
-        if length > budget:
-            length = budget
-        ids = s.req.prompt_ids
-        out.append(
-            new_chunk(
-                s.req.request_id,
-                s.slot,
-                start,
-                length,
-                start + length == plen,
-                None if ids is None else tuple(ids[start : start + length]),
+        return _lean_plan(
+            (
+                n,
+                self._kv_base + n * k,
+                self._chunk_budget - budget,
+                len(chunks),
+                k,
+                build_entries,
+                (dseqs, chunks),
             )
         )
-        return length
 
     def update(
         self, plan: StepPlan, sampled: Mapping[str, int | None], now_s: float
@@ -279,7 +252,8 @@ class Scheduler:
         not in the decode batch.
         """
         k = self._step
-        if plan.step != k:
+        lean = plan._lean
+        if lean is None or lean[LEAN_STEP] != k:
             raise ValueError(
                 f"plan of step {plan.step} given to update at step {k}: apply each plan"
                 " from schedule() exactly once, before the next schedule()"
@@ -287,27 +261,67 @@ class Scheduler:
         if now_s > self._clock:
             self._clock = now_s
         running = self._running
-        firsts: list[tuple[int, _Seq]] = []  # final prompt chunks: they sample a first token
-        first_at: dict[str, int] = {}
-        for i, (c, s) in enumerate(zip(plan.prefill, plan._seqs, strict=True)):
-            if running.get(c.request_id) is not s or s.computed != c.start:
-                continue  # aborted since schedule
-            s.computed = c.start + c.length
-            if c.last:
-                del self._prefilling[c.request_id]
-                s.first_token_s = now_s
-                firsts.append((i, s))
-                first_at[c.request_id] = i
+        firsts: list[tuple[int, Seq]] = []  # final prompt chunks: they sample a first token
+        i = 0
+        for s, start, length in lean[LEAN_DATA][1]:
+            if running.get(s.rid) is s and s.computed == start:  # else aborted since
+                end = s.computed = start + length
+                if end == s.plen:
+                    del self._prefilling[s.rid]
+                    s.first_token_s = now_s
+                    firsts.append((i, s))
+            i += 1
+        # Finished: (0, admission order) for the decode batch, (1, chunk index) for prompts.
         done: list[tuple[tuple[int, int], Finished]] = []
         if sampled:
             self._saw_tokens = True
+            self._record(sampled, k, firsts, now_s, done)
+        ends = self._ends
+        decoding = self._decoding
+        while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
+            _, _, s = _heappop(ends)
+            if decoding.get(s.rid) is s:
+                g = k - s.dec_start + 2
+                done.append(((0, s.order), self._finish(s, "length", g, now_s)))
+        for i, s in firsts:
+            if running.get(s.rid) is not s:
+                continue  # stopped at its first token
+            mt = s.req.max_tokens
+            if mt == 1:
+                done.append(((1, i), self._finish(s, "length", 1, now_s)))
+                continue
+            s.dec_start = d = k + 1
+            decoding[s.rid] = s
+            self._decode_dirty = True
+            self._kv_base += s.plen + 1 - d
+            _heappush(ends, (d + mt - 2, s.order, s))
+        self._step = k + 1
+        if sampled and len(done) > 1:
+            done.sort(key=lambda d: d[0])  # decode batch (admission order), then prompts
+        # Without tokens the finishes are already in that order: the heap yields the decode
+        # batch's by (step, order) and all its live entries are for step k (a request is
+        # finished in the update of the step it reaches max_tokens, and skip_decode_steps
+        # never skips one), then the prompts' come in chunk order.
+        return [f for _, f in done]
+
+    def _record(
+        self,
+        sampled: Mapping[str, int | None],
+        k: int,
+        firsts: list[tuple[int, Seq]],
+        now_s: float,
+        done: list[tuple[tuple[int, int], Finished]],
+    ) -> None:
+        """Store the tokens sampled in step ``k``; finish the requests that hit a stop id."""
+        running = self._running
+        first_at = {s.rid: i for i, s in firsts}
         for rid, tok in sampled.items():
             s = running.get(rid)
             if s is None:
                 continue
             if 0 <= s.dec_start <= k:
                 idx = k - s.dec_start + 1  # in this plan's decode batch
-            elif s.dec_start < 0 and s.computed >= s.req.prompt_len:
+            elif s.dec_start < 0 and s.computed >= s.plen:
                 idx = 0  # its final prompt chunk ran in this plan
             else:
                 continue  # not sampling in this step
@@ -319,49 +333,28 @@ class Scheduler:
             if tok is not None and tok in s.req.stop_ids:
                 key = (0, s.order) if idx else (1, first_at[rid])
                 done.append((key, self._finish(s, "stop", idx + 1, now_s)))
-        ends = self._ends
-        while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
-            _, _, s = heapq.heappop(ends)
-            if self._decoding.get(s.req.request_id) is s:
-                g = k - s.dec_start + 2
-                done.append(((0, s.order), self._finish(s, "length", g, now_s)))
-        for i, s in firsts:
-            rid = s.req.request_id
-            if running.get(rid) is not s:
-                continue  # stopped at its first token
-            if s.req.max_tokens == 1:
-                done.append(((1, i), self._finish(s, "length", 1, now_s)))
-                continue
-            s.dec_start = k + 1
-            self._decoding[rid] = s
-            self._decode_dirty = True
-            self._kv_base += s.req.prompt_len + 1 - s.dec_start
-            heapq.heappush(ends, (s.dec_start + s.req.max_tokens - 2, s.order, s))
-        self._step = k + 1
-        if len(done) > 1:
-            done.sort(key=lambda d: d[0])  # decode batch (admission order), then prompts
-        return [f for _, f in done]
 
-    def _finish(self, s: _Seq, reason: str, generated: int, now_s: float) -> Finished:
-        rid = s.req.request_id
+    def _finish(self, s: Seq, reason: str, generated: int, now_s: float) -> Finished:
+        rid = s.rid
         del self._running[rid]
         if s.dec_start >= 0:
             del self._decoding[rid]
             self._decode_dirty = True
-            self._kv_base -= s.req.prompt_len + 1 - s.dec_start
+            self._kv_base -= s.plen + 1 - s.dec_start
         else:
             self._prefilling.pop(rid, None)
-        heapq.heappush(self._free, s.slot)
+        _heappush(self._free, s.slot)
         req = s.req
+        toks = s.tokens
         return new_finished(
             rid,
             reason,
-            () if s.tokens is None else tuple(t for t in s.tokens if t is not None),
+            () if toks is None else tuple(t for t in toks if t is not None),
             req.arrival_s,
             s.admitted_s,
             s.first_token_s,
             now_s,
-            req.prompt_len,
+            s.plen,
             generated,
         )
 
@@ -381,8 +374,8 @@ class Scheduler:
         ):
             return 0, n, 0
         ends = self._ends
-        while self._decoding.get(ends[0][2].req.request_id) is not ends[0][2]:
-            heapq.heappop(ends)  # aborted: every decoding request has an entry further on
+        while self._decoding.get(ends[0][2].rid) is not ends[0][2]:
+            _heappop(ends)  # aborted: every decoding request has an entry further on
         k = self._step
         return ends[0][0] - k, n, self._kv_base + n * k
 

@@ -1,12 +1,14 @@
 """The scheduler's types: its capacity, a request, one step's plan, a finished request.
 
 :class:`StepPlan` is what ``Scheduler.schedule`` returns and the executor runs. The
-scheduler builds it *lean*: the decode batch size and the KV tokens it reads are
-integers computed in O(1), and the per-sequence :class:`DecodeEntry` tuple is
-materialised only when someone reads ``plan.decode`` (the torch executor does; the
-simulator never does). A materialised entry is the same whenever it is read, before
-or after ``update``: it is derived from per-sequence facts that do not change while
-the sequence decodes (see serving/scheduler.py).
+scheduler builds it *lean*: the decode batch size, the KV tokens it reads and the
+prompt tokens and chunks it prefills are integers computed in O(1), and the
+per-sequence :class:`DecodeEntry` and :class:`PrefillChunk` tuples are materialised
+only when someone reads ``plan.decode`` or ``plan.prefill`` (the torch executor does;
+the simulator never does). A materialised entry is the same whenever it is read,
+before or after ``update``: it is derived from per-sequence facts that do not change
+while the sequence decodes, and from each chunk's start and length fixed at
+``schedule`` (see serving/scheduler.py).
 """
 
 from __future__ import annotations
@@ -90,14 +92,34 @@ class PrefillChunk:
     token_ids: tuple[int, ...] | None
 
 
+# A lean plan's facts, as the scheduler hands them to StepPlan.lean (a plain tuple: it is
+# built once per step on the hot path): the counts the step-time functions read, the step
+# index, and how to build the entries when they are read.
+LEAN_DECODE_BATCH, LEAN_KV_TOKENS, LEAN_PREFILL_TOKENS, LEAN_PREFILL_COUNT = 0, 1, 2, 3
+LEAN_STEP, LEAN_BUILD, LEAN_DATA = 4, 5, 6
+LeanFacts = tuple[
+    int,  # decode batch
+    int,  # KV tokens its entries read
+    int,  # prompt tokens prefilled
+    int,  # prefill chunks
+    int,  # the scheduler's step index
+    Callable[[Any], "tuple[tuple[DecodeEntry, ...], tuple[PrefillChunk, ...]]"],
+    Any,  # what the builder reads (the scheduler's own view of the plan)
+]
+
+_new = object.__new__
+_set = object.__setattr__
+
+
 class StepPlan:
     """Who runs in one step: ``decode`` entries and ``prefill`` chunks (immutable).
 
     Build one by hand with ``StepPlan(decode=(...), prefill=(...))``; the scheduler
-    builds lean ones whose ``decode`` tuple is made on first access.
+    builds lean ones (:meth:`lean`): their counts are known at once and both entry
+    tuples are built on first access of ``decode`` or ``prefill``.
     """
 
-    __slots__ = ("_decode", "_make", "_n", "_kv", "prefill", "step", "_seqs")
+    __slots__ = ("_decode", "_prefill", "_lean")
 
     def __init__(
         self,
@@ -105,73 +127,84 @@ class StepPlan:
         decode: tuple[DecodeEntry, ...] = (),
         prefill: tuple[PrefillChunk, ...] = (),
     ) -> None:
-        self._init(tuple(decode), None, len(decode), None, tuple(prefill), -1, None)
-
-    def _init(
-        self,
-        decode: tuple[DecodeEntry, ...] | None,
-        make: Callable[[], tuple[DecodeEntry, ...]] | None,
-        n: int,
-        kv: int | None,
-        prefill: tuple[PrefillChunk, ...],
-        step: int,
-        seqs: Any,
-    ) -> None:
-        s = object.__setattr__
-        s(self, "_decode", decode)
-        s(self, "_make", make)
-        s(self, "_n", n)
-        s(self, "_kv", kv)
-        s(self, "prefill", prefill)
-        s(self, "step", step)  # the scheduler's step index (-1: built by hand)
-        s(self, "_seqs", seqs)  # the scheduler's own view of the plan (None: by hand)
+        _set(self, "_decode", tuple(decode))
+        _set(self, "_prefill", tuple(prefill))
+        _set(self, "_lean", None)
 
     @classmethod
-    def lean(
-        cls,
-        *,
-        decode_batch: int,
-        kv_tokens: int,
-        make_decode: Callable[[], tuple[DecodeEntry, ...]],
-        prefill: tuple[PrefillChunk, ...],
-        step: int,
-        seqs: Any,
-    ) -> StepPlan:
-        """A plan whose decode entries are built by ``make_decode`` when first read."""
-        plan = cls.__new__(cls)
-        plan._init(None, make_decode, decode_batch, kv_tokens, prefill, step, seqs)
+    def lean(cls, facts: LeanFacts) -> StepPlan:
+        """A plan of known counts whose entries ``facts[LEAN_BUILD](facts)`` builds when
+        first read (the builder must return the same entries whenever it is called)."""
+        plan = _new(cls)
+        _set(plan, "_decode", None)
+        _set(plan, "_prefill", None)
+        _set(plan, "_lean", facts)
         return plan
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"StepPlan is immutable: cannot set {name!r}")
 
+    def _build(self) -> None:
+        lean = self._lean
+        decode, prefill = lean[LEAN_BUILD](lean)
+        _set(self, "_decode", decode)
+        _set(self, "_prefill", prefill)
+
     @property
     def decode(self) -> tuple[DecodeEntry, ...]:
-        d = self._decode
-        if d is None:
-            d = self._make()
-            object.__setattr__(self, "_decode", d)
-            object.__setattr__(self, "_make", None)
-        return d
+        if self._decode is None:
+            self._build()
+        return self._decode  # type: ignore[return-value]
+
+    @property
+    def prefill(self) -> tuple[PrefillChunk, ...]:
+        if self._prefill is None:
+            self._build()
+        return self._prefill  # type: ignore[return-value]
+
+    @property
+    def step(self) -> int:
+        """The scheduler's step index (-1: built by hand)."""
+        lean = self._lean
+        return -1 if lean is None else lean[LEAN_STEP]
 
     @property
     def decode_batch(self) -> int:
-        return self._n
+        lean = self._lean
+        return len(self._decode) if lean is None else lean[LEAN_DECODE_BATCH]  # type: ignore[arg-type]
 
     @property
     def kv_tokens(self) -> int:
         """Cached tokens the decode entries read: sum of (position + 1)."""
-        if self._kv is None:
+        lean = self._lean
+        if lean is None:
             return sum(e.position + 1 for e in self.decode)
-        return self._kv
+        return lean[LEAN_KV_TOKENS]
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(c.length for c in self.prefill)
+        lean = self._lean
+        if lean is None:
+            return sum(c.length for c in self.prefill)
+        return lean[LEAN_PREFILL_TOKENS]
+
+    @property
+    def prefill_count(self) -> int:
+        """Prefill chunks in the step (``len(plan.prefill)``, without building them)."""
+        lean = self._lean
+        return len(self.prefill) if lean is None else lean[LEAN_PREFILL_COUNT]
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """``(decode_batch, kv_tokens, prefill_tokens, prefill_count)`` in one call: what a
+        step-time function reads (O(1) for the scheduler's plans)."""
+        lean = self._lean
+        if lean is None:
+            return self.decode_batch, self.kv_tokens, self.prefill_tokens, len(self.prefill)
+        return lean[0], lean[1], lean[2], lean[3]
 
     @property
     def is_empty(self) -> bool:
-        return self._n == 0 and not self.prefill
+        return self.decode_batch == 0 and self.prefill_count == 0
 
     def sampling_ids(self) -> list[str]:
         """Requests that sample a token this step (decode entries, final chunks)."""
@@ -227,8 +260,8 @@ class Finished:
 # The scheduler's hot path builds these frozen dataclasses by filling the instance dict:
 # the same objects (equality, hash, repr, immutability after construction) for about a
 # third of what the generated __init__ costs, which stores each field through
-# object.__setattr__. The simulator builds three per request.
-_new = object.__new__
+# object.__setattr__. The simulator builds two per request (no prefill chunk: it never
+# reads plan.prefill).
 
 
 def new_chunk(

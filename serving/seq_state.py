@@ -1,0 +1,97 @@
+"""A running request as the scheduler keeps it, and a lean plan's entries built from it.
+
+serving/scheduler.py plans a step without building a :class:`DecodeEntry` per
+decoding sequence or a :class:`PrefillChunk` per chunk: it hands
+:meth:`StepPlan.lean` the counts, the step index, the decoding sequences (a tuple
+snapshot) and each chunk as ``(seq, start, length)``. :func:`build_entries` turns
+that into the entry tuples when the plan's ``decode`` or ``prefill`` is first read.
+Everything it reads is fixed by the time the plan is made (a sequence's slot,
+request and decode start; a chunk's start and length), except the sampled-token
+list, which only grows past the indices earlier plans read, so a plan's entries
+are the same whenever they are built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from serving.step_plan import (
+    LEAN_DATA,
+    LEAN_STEP,
+    DecodeEntry,
+    PrefillChunk,
+    SeqRequest,
+    new_chunk,
+)
+
+
+class Seq:
+    """A running request. While it decodes, its position and generated count follow from
+    the step index alone: at step ``k`` it has ``1 + k - dec_start`` tokens and feeds the
+    last one at position ``prompt_len + k - dec_start``. So a step costs nothing per
+    decoding sequence, and a plan's decode entries can be built whenever they are read."""
+
+    __slots__ = (
+        "req",
+        "rid",
+        "plen",
+        "slot",
+        "admitted_s",
+        "order",
+        "computed",
+        "dec_start",
+        "tokens",
+        "first_token_s",
+    )
+
+    def __init__(self, req: SeqRequest, slot: int, admitted_s: float, order: int) -> None:
+        self.req = req
+        self.rid = req.request_id
+        self.plen = req.prompt_len
+        self.slot = slot
+        self.admitted_s = admitted_s
+        self.order = order  # admission number: finished requests come back in this order
+        self.computed = 0  # prompt tokens already in the cache
+        self.dec_start = -1  # the step index of its first decode (-1: still prefilling)
+        # Sampled tokens by sample index (None: none given for that one; None: none at all).
+        self.tokens: list[int | None] | None = None
+        self.first_token_s = math.nan
+
+    def entry(self, k: int) -> DecodeEntry:
+        """Its decode entry in the plan of step ``k``."""
+        i = k - self.dec_start
+        toks = self.tokens
+        return DecodeEntry(
+            request_id=self.rid,
+            slot=self.slot,
+            position=self.plen + i,
+            token=toks[i] if toks is not None and i < len(toks) else None,
+        )
+
+    def chunk(self, start: int, length: int) -> PrefillChunk:
+        """Its prefill chunk of prompt positions ``start .. start+length-1``."""
+        ids = self.req.prompt_ids
+        return new_chunk(
+            self.rid,
+            self.slot,
+            start,
+            length,
+            start + length == self.plen,
+            None if ids is None else tuple(ids[start : start + length]),
+        )
+
+
+Chunk = tuple[Seq, int, int]  # (sequence, start, length): a prefill chunk as planned
+
+
+def build_entries(
+    lean: tuple[Any, ...],
+) -> tuple[tuple[DecodeEntry, ...], tuple[PrefillChunk, ...]]:
+    """A lean plan's decode entries and prefill chunks (the builder StepPlan calls)."""
+    k = lean[LEAN_STEP]
+    dseqs, chunks = lean[LEAN_DATA]
+    return (
+        tuple(s.entry(k) for s in dseqs),
+        tuple(s.chunk(start, length) for s, start, length in chunks),
+    )
