@@ -30,10 +30,6 @@ def ms_of(seconds: float) -> float:
     return seconds * 1e3 if math.isfinite(seconds) else math.nan
 
 
-def _num(x: Any) -> float:
-    return math.nan if x is None else float(x)
-
-
 @dataclass(frozen=True, kw_only=True)
 class TrialRecord:
     """One measured trial, flat (one CSV row; one JSONL line)."""
