@@ -10,9 +10,12 @@ step-time function (controller code, not the simulator's).
 
 Variants, interleaved in one process (the order alternating), all on the same seeds,
 and checked to give identical results: ``runs`` (serving/sim.py with the decode-run
-fast path, controller/sim_decode_run.py), ``stepwise`` (serving/sim.py timing every
-step: what ``SimTarget.run`` hands it today) and, with ``--against REF``, serving/
-as it was at git commit REF (the baseline the speed-ups are relative to).
+fast path and the scalar mirror of the step time, controller/sim_decode_run.py: what
+``SimTarget.run`` hands it), ``stepwise`` (the mirror, timing every step), ``plain``
+(``SimTarget.step_time`` itself, every step: the truth the others must equal) and,
+with ``--against REF``, serving/ and controller/sim_decode_run.py as they were at git
+commit REF, the way that commit's ``SimTarget.run`` used them (the baseline the
+speed-ups are relative to).
 
 Usage: ``python bench/sim_speed.py [--quick] [--reps 3] [--against REF]``. Prints a
 table, then one JSON line.
@@ -97,11 +100,32 @@ def knobs_for(target: SimTarget, quick: bool) -> list[Knobs]:
     return out
 
 
+StepTimeFn = Callable[[StepPlan], float]
+
+
 @dataclass(frozen=True)
 class Variant:
     label: str
     sim: ModuleType  # a module with simulate()
-    runs: type | None  # the step-time wrapper with decode_run to hand it (None: plain)
+    step_time: Callable[[SimTarget], StepTimeFn]  # the step-time function to hand it
+
+
+class StepOnly:
+    """A step-time function without its ``decode_run`` (the simulator steps every plan)."""
+
+    def __init__(self, fn: StepTimeFn) -> None:
+        self.fn = fn
+
+    def __call__(self, plan: StepPlan) -> float:
+        return self.fn(plan)
+
+
+def _plain(target: SimTarget) -> StepTimeFn:
+    return target.step_time
+
+
+def _stepwise(target: SimTarget) -> StepTimeFn:
+    return StepOnly(DecodeRunStepTime(target))
 
 
 class Timed:
@@ -120,7 +144,7 @@ class Timed:
 
 def run_one(v: Variant, target: SimTarget, k: Knobs, seed: int, timed: bool = False):
     cfg = target.sim_config
-    fn: Callable[[StepPlan], float] = v.runs(target) if v.runs else target.step_time
+    fn = v.step_time(target)
     if timed:
         fn = Timed(fn)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -163,7 +187,7 @@ def bench_scenario(name: str, variants: list[Variant], reps: int, quick: bool) -
                 prints.add(_fingerprint(r))
             identical &= len(prints) == 1
     # Where the step-by-step variant's time goes: a separate timed pass (the timer costs).
-    stepwise = next((v for v in variants if v.sim is current_sim and not v.runs), variants[0])
+    stepwise = next((v for v in variants if v.label == "stepwise"), variants[0])
     spent = total = 0.0
     for k in knobs:
         _, w, _, fn_s = run_one(stepwise, target, k, seed=1000, timed=True)
@@ -204,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     variants = [
         Variant("runs", current_sim, DecodeRunStepTime),
-        Variant("stepwise", current_sim, None),
+        Variant("stepwise", current_sim, _stepwise),
+        Variant("plain", current_sim, _plain),
     ]
     if args.against:
         ref = load_reference(args.against)
-        variants.append(Variant(f"ref:{args.against}", ref.sim, ref.runs))
+        variants.append(Variant(f"ref:{args.against}", ref.sim, ref.runs or _plain))
     reps = 1 if args.quick else args.reps
     names = args.scenarios or list(SCENARIOS)
     load0 = os.getloadavg()
@@ -231,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         row += " ".join(f"{r[f'speedup_cpu_{lb}']:11.2f}x" for lb in labels[:-1])
         print(row)
     print(
-        "(runs: serving/sim.py with the decode-run fast path (controller/sim_decode_run.py);"
-        " stepwise: serving/sim.py timing every step (SimTarget.run today); worst knob: the"
-        " slowest window of 'runs', wall clock; step_time: share of the stepwise time inside"
-        " the scenario's step-time function; same: every variant gave identical results;"
+        "(runs: serving/sim.py with the decode-run fast path and the scalar mirror"
+        " (controller/sim_decode_run.py, SimTarget.run today); stepwise: the mirror timing"
+        " every step; plain: SimTarget.step_time every step; worst knob: the slowest window"
+        " of 'runs', wall clock; step_time: share of the stepwise time inside the step-time"
+        " function; same: every variant gave identical results;"
         f" load average {load0[0]:.2f} before, {load1[0]:.2f} after)"
     )
     summary = {

@@ -271,38 +271,68 @@ class Scheduler:
                     s.first_token_s = now_s
                     firsts.append((i, s))
             i += 1
-        # Finished: (0, admission order) for the decode batch, (1, chunk index) for prompts.
-        done: list[tuple[tuple[int, int], Finished]] = []
         if sampled:
             self._saw_tokens = True
-            self._record(sampled, k, firsts, now_s, done)
+            return self._update_with_tokens(sampled, k, firsts, now_s)
+        # Without tokens nothing stops early, and the finishes come in the order the sort
+        # below gives: the heap yields the decode batch's by (step, order) and all its live
+        # entries are for step k (a request is finished in the update of the step it
+        # reaches max_tokens, and skip_decode_steps never skips one), then the prompts'
+        # come in chunk order.
+        done: list[Finished] = []
+        ends = self._ends
+        if ends and ends[0][0] <= k:
+            decoding = self._decoding
+            while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
+                s = _heappop(ends)[2]
+                if decoding.get(s.rid) is s:
+                    done.append(self._finish(s, "length", k - s.dec_start + 2, now_s))
+        for _, s in firsts:
+            if s.req.max_tokens == 1:
+                done.append(self._finish(s, "length", 1, now_s))
+            else:
+                self._start_decoding(s, k)
+        self._step = k + 1
+        return done
+
+    def _update_with_tokens(
+        self,
+        sampled: Mapping[str, int | None],
+        k: int,
+        firsts: list[tuple[int, Seq]],
+        now_s: float,
+    ) -> list[Finished]:
+        """The rest of ``update`` when tokens were handed in (an engine)."""
+        # Finished: (0, admission order) for the decode batch, (1, chunk index) for prompts.
+        done: list[tuple[tuple[int, int], Finished]] = []
+        self._record(sampled, k, firsts, now_s, done)
         ends = self._ends
         decoding = self._decoding
         while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
-            _, _, s = _heappop(ends)
+            s = _heappop(ends)[2]
             if decoding.get(s.rid) is s:
                 g = k - s.dec_start + 2
                 done.append(((0, s.order), self._finish(s, "length", g, now_s)))
+        running = self._running
         for i, s in firsts:
             if running.get(s.rid) is not s:
                 continue  # stopped at its first token
-            mt = s.req.max_tokens
-            if mt == 1:
+            if s.req.max_tokens == 1:
                 done.append(((1, i), self._finish(s, "length", 1, now_s)))
-                continue
-            s.dec_start = d = k + 1
-            decoding[s.rid] = s
-            self._decode_dirty = True
-            self._kv_base += s.plen + 1 - d
-            _heappush(ends, (d + mt - 2, s.order, s))
+            else:
+                self._start_decoding(s, k)
         self._step = k + 1
-        if sampled and len(done) > 1:
+        if len(done) > 1:
             done.sort(key=lambda d: d[0])  # decode batch (admission order), then prompts
-        # Without tokens the finishes are already in that order: the heap yields the decode
-        # batch's by (step, order) and all its live entries are for step k (a request is
-        # finished in the update of the step it reaches max_tokens, and skip_decode_steps
-        # never skips one), then the prompts' come in chunk order.
         return [f for _, f in done]
+
+    def _start_decoding(self, s: Seq, k: int) -> None:
+        """``s`` sampled its first token in step ``k``: it decodes from step ``k + 1``."""
+        s.dec_start = d = k + 1
+        self._decoding[s.rid] = s
+        self._decode_dirty = True
+        self._kv_base += s.plen + 1 - d
+        _heappush(self._ends, (d + s.req.max_tokens - 2, s.order, s))
 
     def _record(
         self,

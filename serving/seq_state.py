@@ -86,12 +86,11 @@ Chunk = tuple[Seq, int, int]  # (sequence, start, length): a prefill chunk as pl
 
 
 def build_entries(
-    lean: tuple[Any, ...],
-) -> tuple[tuple[DecodeEntry, ...], tuple[PrefillChunk, ...]]:
-    """A lean plan's decode entries and prefill chunks (the builder StepPlan calls)."""
-    k = lean[LEAN_STEP]
+    lean: tuple[Any, ...], prefill: bool
+) -> tuple[DecodeEntry, ...] | tuple[PrefillChunk, ...]:
+    """A lean plan's decode entries, or its prefill chunks (the builder StepPlan calls)."""
     dseqs, chunks = lean[LEAN_DATA]
-    return (
-        tuple(s.entry(k) for s in dseqs),
-        tuple(s.chunk(start, length) for s, start, length in chunks),
-    )
+    if prefill:
+        return tuple(s.chunk(start, length) for s, start, length in chunks)
+    k = lean[LEAN_STEP]
+    return tuple(s.entry(k) for s in dseqs)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ import numpy as np
 
 from metrics.observation import Observation, Percentiles, Slo
 from metrics.samples import exact_quantile, verdict_from_samples
-from serving.scheduler import RequestTiming, Scheduler, SchedulerConfig, SeqRequest, StepPlan
+from serving.scheduler import RequestTiming, Scheduler, SchedulerConfig, StepPlan
+from serving.step_plan import new_request
 from serving.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -111,28 +113,43 @@ def _queue_or_reject(
     """Arrivals ``i..`` up to time ``upto`` at a server with no room: they wait while the
     queue has room, the rest are turned away (counted from ``first_counted`` on).
     Returns (the next arrival's index, rejections counted)."""
-    while i < len(arr) and arr[i] <= upto and len(queue) < limit:
+    while arr[i] <= upto and len(queue) < limit:  # arr ends with a sentinel (inf)
         queue.append(i)
         i += 1
     j = bisect.bisect_right(arr, upto, i)
     return j, j - max(i, min(j, first_counted))
 
 
-def _decode_run_times(
-    t: float, busy: float, dts: np.ndarray, stop_s: float
+def _run_steps(
+    base: list[float],
+    slowdown: float,
+    noise: list[float],
+    k: int,
+    t: float,
+    busy: float,
+    stop_s: float,
 ) -> tuple[int, float, float, float]:
-    """Advance the clock over a run of steps lasting ``dts`` [m] seconds, stopping before
-    the first step that would start at or after ``stop_s`` (the window's end, or an
-    arrival that would be admitted). Returns (steps taken, when the last one started,
-    new clock, new busy time), summed one step after another as the step-by-step loop
-    sums them."""
-    if not bool(np.all(np.isfinite(dts) & (dts > 0))):
-        bad = dts[~(np.isfinite(dts) & (dts > 0))][0]
-        raise ValueError(f"step_time returned {float(bad)!r} for a plan: must be > 0 seconds")
-    clock = np.cumsum(np.concatenate(([t], dts)))  # [m+1]: step j runs clock[j]..clock[j+1]
-    took = max(1, min(len(dts), int(np.searchsorted(clock[:-1], stop_s, side="left"))))
-    busy_end = np.cumsum(np.concatenate(([busy], dts[:took])))[-1]
-    return took, float(clock[took - 1]), float(clock[took]), float(busy_end)
+    """Advance the clock over a run of steps of ``base[j] * slowdown * noise[k + j]``
+    seconds, stopping before the first step that would start at or after ``stop_s`` (the
+    window's end, or an arrival that would be admitted), after one step at least. Returns
+    (steps taken, when the last one started, new clock, new busy time), summed one step
+    after another as the step-by-step loop sums them."""
+    took = 0
+    last = t
+    for b in base:
+        if took and t >= stop_s:
+            break
+        dt = b * slowdown * noise[k + took]
+        if not (dt > 0 and dt < math.inf):
+            raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
+        last = t
+        t += dt
+        busy += dt
+        took += 1
+    return took, last, t, busy
+
+
+_TIMES = operator.attrgetter("arrival_s", "first_token_s", "last_token_s", "generated_tokens")
 
 
 def observation_from_timings(
@@ -146,13 +163,18 @@ def observation_from_timings(
     source: str = "sim",
 ) -> Observation:
     """The Observation of a window from per-request timings (exact quantiles, verdicts)."""
-    ttft = [t.ttft_s for t in timings]
-    tpot = [x for x in (t.tpot_s for t in timings) if x is not None]
-    met = sum(
-        1
-        for t in timings
-        if t.ttft_s <= slo.ttft_p99_s and (t.tpot_s is None or t.tpot_s <= slo.tpot_p99_s)
-    )
+    # RequestTiming's ttft_s and tpot_s, as arrays: the same float operations.
+    rows = np.array(list(map(_TIMES, timings)), dtype=np.float64).reshape(-1, 4)  # [n, 4]
+    arrival, first, last, generated = rows.T  # [n] each
+    ttft_a = first - arrival  # [n]
+    has_tpot = generated >= 2  # [n]
+    tpot_a = (last[has_tpot] - first[has_tpot]) / (generated[has_tpot] - 1)  # [m]
+    tpot_ok = np.ones(len(timings), dtype=bool)  # [n]
+    tpot_ok[has_tpot] = tpot_a <= slo.tpot_p99_s
+    met = int(np.count_nonzero((ttft_a <= slo.ttft_p99_s) & tpot_ok))
+    # Sorted once: the quantiles and verdicts below sort again, at little cost.
+    ttft = np.sort(ttft_a).tolist()
+    tpot = np.sort(tpot_a).tolist()
 
     def pct(x: list[float]) -> Percentiles:
         if not x:
@@ -168,7 +190,7 @@ def observation_from_timings(
         completed=len(timings),
         slo_met=met,
         rejected=rejected,
-        generated_tokens=sum(t.generated_tokens for t in timings),
+        generated_tokens=int(generated.sum()),  # whole numbers: the float sum is exact
         ttft=pct(ttft),
         tpot=pct(tpot),
         ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
@@ -217,10 +239,13 @@ def simulate(
     in_flight = 0
     rejected = 0
     timings: list[RequestTiming] = []
+    keep = timings.append
     n = len(arrivals)
     arr = arrivals.tolist()
-    pl = prompts.tolist()
-    ol = outputs.tolist()
+    arr.append(math.inf)  # a sentinel: arr[i] <= t is False past the last arrival
+    # Lengths are read per admission: at a saturating load most arrivals are turned away.
+    plen = prompts.item
+    olen = outputs.item
     # Arrivals before warmup_s are not counted when rejected: the first index counted.
     first_counted = bisect.bisect_left(arr, cfg.warmup_s)
     limit = max_concurrency
@@ -230,9 +255,8 @@ def simulate(
     add = sched.add
     schedule = sched.schedule
     update = sched.update
-
-    def admit(i: int) -> None:
-        add(SeqRequest(request_id=str(i), prompt_len=pl[i], max_tokens=ol[i], arrival_s=arr[i]))
+    decode_run = sched.decode_run
+    bisect_right = bisect.bisect_right
 
     run_fn = getattr(step_time, "decode_run", None)
 
@@ -249,31 +273,37 @@ def simulate(
     k = 0
     empty: dict[str, int | None] = {}
     while t < end_s:
-        if i < n and arr[i] <= t:
-            while i < n and arr[i] <= t and in_flight < limit:
-                admit(i)
+        if arr[i] <= t:
+            while arr[i] <= t and in_flight < limit:
+                add(new_request(str(i), plen(i), olen(i), arr[i]))
                 in_flight += 1
                 i += 1
-            if i < n and arr[i] <= t:  # full: queue or turn away every arrival up to t
-                i, turned = _queue_or_reject(arr, i, t, queue, queue_limit, first_counted)
+            if arr[i] <= t:  # full: queue or turn away every arrival up to t
+                if queue_limit:
+                    i, turned = _queue_or_reject(arr, i, t, queue, queue_limit, first_counted)
+                else:  # no queue: _queue_or_reject in short
+                    j = bisect_right(arr, t, i)
+                    turned = j - max(i, min(j, first_counted))
+                    i = j
                 rejected += turned
-        if not sched.has_work:
+        if not in_flight:  # nothing running or waiting in the engine
             if i >= n:
                 break
             t = arr[i]
             continue
         if run_fn is not None:
-            m, batch, kv0 = sched.decode_run()
+            m, batch, kv0 = decode_run()
             if m >= _MIN_RUN:  # a run of decode-only steps: all at once (see module doc)
                 while len(noise) - k < m:
                     noise = noise[k:] + draw()
                     k = 0
                 kv = kv0 + batch * np.arange(m, dtype=np.int64)  # [m]
-                dts = np.asarray(run_fn(batch, kv), dtype=np.float64) * slowdown  # [m]
-                dts = dts * np.asarray(noise[k : k + m])  # [m]
-                admit_at = arr[i] if in_flight < limit and i < n else math.inf
-                took, last_start, t, busy = _decode_run_times(t, busy, dts, min(end_s, admit_at))
-                if i < n and arr[i] <= last_start:  # arrivals while full, as each step saw them
+                base = run_fn(batch, kv)  # [m]
+                stop_s = arr[i] if in_flight < limit and arr[i] < end_s else end_s
+                took, last_start, t, busy = _run_steps(
+                    np.asarray(base, dtype=np.float64).tolist(), slowdown, noise, k, t, busy, stop_s
+                )
+                if arr[i] <= last_start:  # arrivals while full, as each step saw them
                     i, turned = _queue_or_reject(
                         arr, i, last_start, queue, queue_limit, first_counted
                     )
@@ -291,7 +321,7 @@ def simulate(
             k = 0
         dt = step_time(plan) * slowdown * noise[k]
         k += 1
-        if not (dt > 0 and math.isfinite(dt)):
+        if not (dt > 0 and dt < math.inf):
             raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
         t += dt
         busy += dt
@@ -302,9 +332,11 @@ def simulate(
         if done:
             in_flight -= len(done)
             if warmup_s <= t <= end_s:
-                timings.extend(f.timing for f in done)
+                for f in done:
+                    keep(f.timing)
             while queue and in_flight < limit:
-                admit(queue.popleft())
+                j = queue.popleft()
+                add(new_request(str(j), plen(j), olen(j), arr[j]))
                 in_flight += 1
     obs = observation_from_timings(
         timings,

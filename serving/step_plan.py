@@ -103,7 +103,7 @@ LeanFacts = tuple[
     int,  # prompt tokens prefilled
     int,  # prefill chunks
     int,  # the scheduler's step index
-    Callable[[Any], "tuple[tuple[DecodeEntry, ...], tuple[PrefillChunk, ...]]"],
+    Callable[[Any, bool], "tuple[DecodeEntry, ...] | tuple[PrefillChunk, ...]"],
     Any,  # what the builder reads (the scheduler's own view of the plan)
 ]
 
@@ -133,8 +133,9 @@ class StepPlan:
 
     @classmethod
     def lean(cls, facts: LeanFacts) -> StepPlan:
-        """A plan of known counts whose entries ``facts[LEAN_BUILD](facts)`` builds when
-        first read (the builder must return the same entries whenever it is called)."""
+        """A plan of known counts whose entries ``facts[LEAN_BUILD](facts, prefill)`` builds
+        when first read (the decode entries with ``prefill`` False, the chunks with True; the
+        builder must return the same entries whenever it is called)."""
         plan = _new(cls)
         _set(plan, "_decode", None)
         _set(plan, "_prefill", None)
@@ -144,23 +145,23 @@ class StepPlan:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"StepPlan is immutable: cannot set {name!r}")
 
-    def _build(self) -> None:
-        lean = self._lean
-        decode, prefill = lean[LEAN_BUILD](lean)
-        _set(self, "_decode", decode)
-        _set(self, "_prefill", prefill)
-
     @property
     def decode(self) -> tuple[DecodeEntry, ...]:
-        if self._decode is None:
-            self._build()
-        return self._decode  # type: ignore[return-value]
+        d = self._decode
+        if d is None:
+            lean = self._lean
+            d = lean[LEAN_BUILD](lean, False)
+            _set(self, "_decode", d)
+        return d
 
     @property
     def prefill(self) -> tuple[PrefillChunk, ...]:
-        if self._prefill is None:
-            self._build()
-        return self._prefill  # type: ignore[return-value]
+        p = self._prefill
+        if p is None:
+            lean = self._lean
+            p = lean[LEAN_BUILD](lean, True)
+            _set(self, "_prefill", p)
+        return p
 
     @property
     def step(self) -> int:
@@ -262,6 +263,23 @@ class Finished:
 # third of what the generated __init__ costs, which stores each field through
 # object.__setattr__. The simulator builds two per request (no prefill chunk: it never
 # reads plan.prefill).
+
+
+_NO_STOP: frozenset[int] = frozenset()
+
+
+def new_request(request_id: str, prompt_len: int, max_tokens: int, arrival_s: float) -> SeqRequest:
+    """``SeqRequest(request_id=..., prompt_len=..., max_tokens=..., arrival_s=...)`` (no
+    prompt ids, no stop ids), at half the cost: the simulator makes one per admission."""
+    r = _new(SeqRequest)
+    d = r.__dict__
+    d["request_id"] = request_id
+    d["prompt_len"] = prompt_len
+    d["max_tokens"] = max_tokens
+    d["arrival_s"] = arrival_s
+    d["prompt_ids"] = None
+    d["stop_ids"] = _NO_STOP
+    return r
 
 
 def new_chunk(
