@@ -98,6 +98,7 @@ class CompletionServer:
             max_len=self.args.max_len,
             seed=self.args.seed,
             num_threads=self.args.torch_threads,  # Ray set OMP_NUM_THREADS=1: be explicit
+            events_per_s=self.args.stream_events_per_s or None,  # 0: no budget
         )
         self.engine.on_finish = self._on_finish
         self.tokenizer = self.engine.tokenizer

@@ -16,6 +16,12 @@ which is what makes a streamed item through Ray Serve affordable at a full batch
 Ray's cost is per streamed item, not per token. A token is held less than the
 interval after the step that sampled it.
 
+With ``events_per_s`` (a budget for the whole engine) the interval shrinks when few
+streams are paced: each stream's interval is min(its ``flush_interval_s``, paced
+streams / ``events_per_s``), so the hand-overs of all streams together stay near
+the budget (a lone request streams every token) and the full interval applies only
+once that many streams share the engine.
+
 Server-side latency metrics do not come from here: the scheduler records
 arrival, first and last token times (serving/scheduler.py) and ``on_finish``
 hands them over from the engine thread.
@@ -97,7 +103,9 @@ class AsyncEngine:
     every request that finishes normally (aborted requests are not reported),
     before its stream ends; the timings are the engine's, not the stream's. The
     finish reason is ``length`` when ``max_tokens`` tokens came back, ``stop``
-    otherwise. ``clock`` (seconds, monotonic) paces ``flush_interval_s`` only.
+    otherwise. ``clock`` (seconds, monotonic) paces ``flush_interval_s`` only;
+    ``events_per_s`` (None: no budget) shortens the intervals of paced streams while
+    few share the engine (see the module docstring).
     """
 
     def __init__(
@@ -105,10 +113,14 @@ class AsyncEngine:
         engine: Engine | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        events_per_s: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        if events_per_s is not None and not (0 < events_per_s < math.inf):
+            raise ValueError(f"events_per_s={events_per_s!r}: must be a positive number or None")
         self.engine = engine if engine is not None else Engine(**engine_kwargs)
         self.clock = clock
+        self.events_per_s = events_per_s
         self.tokenizer = self.engine.tokenizer
         self.on_finish: Callable[[RequestTiming], None] | None = None
         self._streams: dict[str, _Stream] = {}
@@ -257,6 +269,12 @@ class AsyncEngine:
         now = self.clock()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list[object]]]] = {}
         streams = self._streams
+        share = math.inf  # the interval that keeps all paced streams at the budget
+        if self.events_per_s is not None:
+            paced = sum(
+                1 for rid in tokens if (st := streams.get(rid)) and 0 < st.interval_s < math.inf
+            )
+            share = paced / self.events_per_s
         for rid, tok in tokens.items():
             stream = streams.get(rid)
             if stream is None:
@@ -265,7 +283,8 @@ class AsyncEngine:
             if now >= stream.flush_at:
                 by_loop.setdefault(stream.loop, []).append((stream, stream.held))
                 stream.held = []
-                stream.flush_at = now + stream.interval_s
+                iv = stream.interval_s
+                stream.flush_at = now + (min(iv, share) if iv < math.inf else iv)
         for rid in ended:
             stream = streams.get(rid)
             if stream is None:

@@ -37,7 +37,7 @@ from serving.app import (
     LiveConfig,
     ServerArgs,
 )
-from serving.server_config import REPLICA_ENV_VARS
+from serving.server_config import DEFAULT_STREAM_EVENTS_PER_S, REPLICA_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ def deploy_app(
     seed: int = 0,
     torch_threads: int = 1,
     stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+    stream_events_per_s: float = DEFAULT_STREAM_EVENTS_PER_S,
     omp_wait_policy: str | None = None,
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
@@ -234,7 +235,7 @@ def deploy_app(
 
     Ray must be initialised; Serve is started on loopback if it is not running.
     Changing ``model``/``max_slots``/``device``/``checkpoint``/``max_len``/``seed``/
-    ``torch_threads``/``stream_interval_s``/``omp_wait_policy`` rebuilds the replicas; the
+    ``torch_threads``/``stream_*``/``omp_wait_policy`` rebuilds the replicas; the
     knobs alone update in place.
     """
     slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
@@ -247,6 +248,7 @@ def deploy_app(
         seed=seed,
         torch_threads=torch_threads,
         stream_interval_s=stream_interval_s,
+        stream_events_per_s=stream_events_per_s,
         omp_wait_policy=omp_wait_policy,
     )
     live = LiveConfig(

@@ -26,7 +26,13 @@ OMP_WAIT_POLICIES = ("passive", "active")
 # Where replicas publish the live config they applied (Ray's internal KV):
 # key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
 KV_NAMESPACE = "slotune"
-DEFAULT_STREAM_INTERVAL_S = 0.02
+# Streaming pace (docs/serving.md "Streaming"): a token is held at most
+# DEFAULT_STREAM_INTERVAL_S; the replica's streamed events stay near
+# DEFAULT_STREAM_EVENTS_PER_S, so a lone request streams every token and only a
+# full batch gets the whole interval (Ray Serve's cost is per event, ~0.8 ms of CPU
+# in the replica and proxy together, measured in bench/serve_overhead.py).
+DEFAULT_STREAM_INTERVAL_S = 0.2
+DEFAULT_STREAM_EVENTS_PER_S = 150.0
 # Environment of every replica process, carried in the app's ``runtime_env``
 # (serving.deploy.app_config, deploy/serve-config.yaml) so that it holds wherever
 # the app runs, not only on a Ray that slotune started (serving.deploy.RAY_ENV_DEFAULTS
@@ -69,9 +75,13 @@ class ServerArgs:
     # environment's OMP_WAIT_POLICY, and PASSIVE when it has none.
     omp_wait_policy: str | None = None
     served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
-    # Streamed text is sent at most this often per request (the first token at
-    # once); a step slower than this is never delayed. See openai_api.py.
+    # Streaming pace (serving/async_engine.py): the first token and the end go out at
+    # once; in between a request's tokens are handed over at most once per
+    # min(stream_interval_s, paced streams / stream_events_per_s) seconds, so a token
+    # is held at most stream_interval_s. Interval 0: every token at once; events 0:
+    # no budget, always the full interval.
     stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S
+    stream_events_per_s: float = DEFAULT_STREAM_EVENTS_PER_S
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS:
@@ -87,6 +97,9 @@ class ServerArgs:
         s = self.stream_interval_s
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 1:
             raise ValueError(f"stream_interval_s={s!r}: must be a number of seconds in [0, 1]")
+        e = self.stream_events_per_s
+        if isinstance(e, bool) or (e != 0 and not _is_pos_number(e)):
+            raise ValueError(f"stream_events_per_s={e!r}: must be a number >= 0 (0: no budget)")
         if not _is_int(self.torch_threads) or self.torch_threads < 1:
             raise ValueError(f"torch_threads={self.torch_threads!r}: must be a positive integer")
         p = self.omp_wait_policy

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from serving.async_engine import _DONE, AsyncEngine
+from serving.async_engine import _DONE, AsyncEngine, _Stream
 from tests.serving.test_engine import greedy_reference, make_engine
 
 STEP_S = 0.01  # what the fake clock advances per engine step
@@ -154,3 +154,70 @@ def test_bad_flush_interval_is_refused(paced, bad: float) -> None:
     with pytest.raises(ValueError, match="flush_interval_s="):
         asyncio.run(main())
     assert aeng.stats().running == 0
+
+
+def test_events_budget_lets_a_lone_stream_through() -> None:
+    # Budget 100 events/s, steps 10 ms apart, the stream asks for 25 ms at most.
+    # Alone: 1 stream / 100 per s = 10 ms < 25 ms: every step's token goes out.
+    eng = AsyncEngine(
+        make_engine(max_slots=3, max_batch_size=3), clock=step_clock(), events_per_s=100.0
+    )
+    eng.start()
+    try:
+
+        async def lone():
+            gen = eng.generate_chunks([1, 2, 3], max_tokens=6, flush_interval_s=0.025)
+            return [c async for c in gen]
+
+        _, handovers = run_counting(lone)
+        assert [[len(items) for _, items in call] for call in handovers] == [
+            [1],
+            [1],
+            [1],
+            [1],
+            [1],
+            [1, 1],
+        ]
+
+    finally:
+        eng.stop()
+
+
+def test_events_budget_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="events_per_s=0"):
+        AsyncEngine(make_engine(), events_per_s=0)
+
+
+def test_events_budget_gives_a_crowd_the_full_interval() -> None:
+    # The engine thread's side alone, step by step (no model, no thread): budget 100
+    # events/s, every stream asks for 25 ms at most, steps 10 ms apart.
+    eng = AsyncEngine(make_engine(), clock=step_clock(), events_per_s=100.0)
+    loop = asyncio.new_event_loop()
+    calls: list[list[str]] = []
+    names: dict[int, str] = {}
+
+    def record(fn, batch):
+        calls.append(sorted(names[id(stream)] for stream, _ in batch))
+
+    loop.call_soon_threadsafe = record  # type: ignore[method-assign]
+    try:
+        for rid in "abc":
+            eng._streams[rid] = _Stream(loop, 0.025)
+            names[id(eng._streams[rid])] = rid
+        sampled = ["a", "a", "abc", "abc", "abc", "abc", "abc"]
+        for step, rids in enumerate(sampled):
+            eng._deliver_step({rid: step for rid in rids}, [])
+            if len(calls) == step:
+                calls.append([])  # nothing handed over this step
+    finally:
+        loop.close()
+    assert calls == [
+        ["a"],  # alone: 1 / 100 = 10 ms, so it goes out again at the next step
+        ["a"],
+        ["a", "b", "c"],  # b and c first tokens at once; three paced: 3 / 100 = 30 ms
+        [],  # held: the 25 ms interval (less than 30) now applies to all three
+        [],
+        ["a", "b", "c"],
+        [],
+    ]
+    assert sum(len(s.held) for s in eng._streams.values()) == 3  # step 6's tokens, held
