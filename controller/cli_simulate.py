@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from controller.errors import BadInput, NoFeasiblePoint
-from controller.sim_target import SCENARIOS, SimTarget, resolve_scenario
+from controller.sim_target import HELD_OUT_SCENARIOS, SCENARIOS, SimTarget, resolve_scenario
 from metrics.observation import Slo
 from search.stop_rule import StopRule
 from search.tuner import SAMPLERS, Tuner
@@ -34,7 +34,10 @@ def _fmt(x: object, scale: float = 1.0, digits: int = 1) -> str:
 
 def simulate_cmd(
     scenario: str = typer.Option(
-        "h100-8b", "--scenario", "-s", help=f"One of: {', '.join(SCENARIOS)}."
+        "h100-8b",
+        "--scenario",
+        "-s",
+        help=f"One of: {', '.join([*SCENARIOS, *HELD_OUT_SCENARIOS])}.",
     ),
     model: str = typer.Option(None, "--model", help="Override the scenario's model."),
     hardware: str = typer.Option(
