@@ -47,7 +47,14 @@ from search.space import Knobs  # noqa: E402
 from serving import sim as current_sim  # noqa: E402
 from serving.scheduler import StepPlan  # noqa: E402
 
-REF_MODULES = ("scheduler", "sim", "workload", "step_plan", "seq_state")  # serving/<name>.py
+REF_MODULES = (
+    "scheduler",
+    "sched_state",
+    "sim",
+    "workload",
+    "step_plan",
+    "seq_state",
+)  # serving/<name>.py
 REF_CONTROLLER = "sim_decode_run"  # controller/<name>.py, when the reference has it
 
 

@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import deque
 from collections.abc import Mapping
 
+from serving.sched_state import SchedulerState
 from serving.seq_state import Chunk, Seq, build_entries
 from serving.step_plan import (
     LEAN_DATA,
@@ -69,7 +69,6 @@ from serving.step_plan import (
     SeqRequest,
     StepPlan,
     _is_int,
-    new_finished,
 )
 
 __all__ = [
@@ -79,6 +78,7 @@ __all__ = [
     "RequestTiming",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerState",
     "SeqRequest",
     "StepPlan",
 ]
@@ -90,95 +90,8 @@ _heappop = heapq.heappop
 _lean_plan = StepPlan.lean
 
 
-class Scheduler:
+class Scheduler(SchedulerState):
     """Continuous batching over a fixed set of KV slots (see module docstring)."""
-
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-        self._max_batch_size = config.max_batch_size
-        self._max_len = config.max_len
-        self._chunk_budget = config.prefill_chunk
-        self._waiting: deque[SeqRequest] = deque()
-        self._waiting_ids: set[str] = set()
-        self._running: dict[str, Seq] = {}  # insertion order = admission order
-        self._prefilling: dict[str, Seq] = {}  # running, prompt not fully cached
-        self._decoding: dict[str, Seq] = {}  # running, decoding (admission order, see update)
-        self._decode_view: tuple[Seq, ...] = ()  # _decoding as a tuple, rebuilt when it changes
-        self._decode_dirty = False
-        self._kv_base = 0  # sum over _decoding of prompt_len + 1 - dec_start (see kv_tokens)
-        self._ends: list[tuple[int, int, Seq]] = []  # (step of its last token, order, seq)
-        self._step = 0  # updates applied: the index of the next plan
-        self._admitted = 0
-        self._saw_tokens = False  # update got tokens: a skipped step would lose one
-        self._free: list[int] = list(range(config.max_slots))  # a min-heap
-        self._clock = float("-inf")  # latest time seen, for admission without now_s
-
-    # ---- requests in and out -------------------------------------------------
-    def validate(self, prompt_len: object, max_tokens: object) -> None:
-        """Raise ValueError naming the bad value if a request cannot be served."""
-        if not _is_int(prompt_len) or prompt_len < 1:
-            raise ValueError(f"prompt length {prompt_len!r}: the prompt must not be empty")
-        if not _is_int(max_tokens):
-            raise ValueError(f"max_tokens={max_tokens!r}: must be an integer")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens}: must be at least 1")
-        if prompt_len + max_tokens > self.config.max_len:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = "
-                f"{prompt_len + max_tokens} exceeds the context length {self.config.max_len}"
-            )
-
-    def add(self, req: SeqRequest) -> None:
-        """Queue a request; ValueError (naming the value) if it cannot be served."""
-        plen = req.prompt_len
-        mt = req.max_tokens
-        # The common case in one test (plain ints that fit); anything else the full check.
-        if not (
-            type(plen) is int
-            and type(mt) is int
-            and plen >= 1
-            and mt >= 1
-            and plen + mt <= self._max_len
-        ):
-            self.validate(plen, mt)
-        ids = req.prompt_ids
-        if ids is not None and len(ids) != plen:
-            raise ValueError(f"prompt_ids has {len(ids)} tokens but prompt_len={plen}")
-        rid = req.request_id
-        if rid in self._running or rid in self._waiting_ids:
-            raise ValueError(f"request_id={rid!r}: already in use")
-        self._waiting.append(req)
-        self._waiting_ids.add(rid)
-        if req.arrival_s > self._clock:
-            self._clock = req.arrival_s
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request, waiting or running; its slot is free at once."""
-        seq = self._running.pop(request_id, None)
-        if seq is not None:
-            if seq.dec_start >= 0:
-                del self._decoding[request_id]
-                self._decode_dirty = True
-                self._kv_base -= seq.plen + 1 - seq.dec_start
-            else:
-                self._prefilling.pop(request_id, None)
-            _heappush(self._free, seq.slot)
-            return True
-        if request_id in self._waiting_ids:
-            self._waiting_ids.discard(request_id)
-            self._waiting = deque(w for w in self._waiting if w.request_id != request_id)
-            return True
-        return False
-
-    def set_max_batch_size(self, n: int) -> None:
-        if not _is_int(n) or not 1 <= n <= self.config.max_slots:
-            raise ValueError(
-                f"max_batch_size={n!r}: must be an integer in 1..{self.config.max_slots} "
-                "(max_slots)"
-            )
-        if n != self._max_batch_size:
-            logger.info("max_batch_size %d -> %d", self._max_batch_size, n)
-        self._max_batch_size = n
 
     # ---- the step --------------------------------------------------------------
     def schedule(self, now_s: float | None = None) -> StepPlan:
@@ -189,10 +102,13 @@ class Scheduler:
         if now_s is not None and now_s > self._clock:
             self._clock = now_s
         k = self._step
-        if self._decode_dirty:
-            self._decode_view = tuple(self._decoding.values())
-            self._decode_dirty = False
-        dseqs = self._decode_view
+        adds = self._dadds
+        rems = self._drems
+        if len(adds) + len(rems) > len(self._dbase) + 16:  # amortised O(1) per change
+            self._dbase = tuple(self._decoding.values())
+            self._dadds = adds = []
+            self._drems = rems = []
+        dview = (self._dbase, adds, len(adds), rems, len(rems))
         budget = self._chunk_budget
         chunks: list[Chunk] = []
         for s in self._prefilling.values():  # admission order: the oldest prompt first
@@ -226,7 +142,7 @@ class Scheduler:
                 budget -= length
                 if not (budget and waiting and free and len(running) < self._max_batch_size):
                     break
-        n = len(dseqs)
+        n = len(self._decoding)
         return _lean_plan(
             (
                 n,
@@ -235,7 +151,7 @@ class Scheduler:
                 len(chunks),
                 k,
                 build_entries,
-                (dseqs, chunks),
+                (dview, chunks),
             )
         )
 
@@ -330,7 +246,7 @@ class Scheduler:
         """``s`` sampled its first token in step ``k``: it decodes from step ``k + 1``."""
         s.dec_start = d = k + 1
         self._decoding[s.rid] = s
-        self._decode_dirty = True
+        self._dadds.append(s)
         self._kv_base += s.plen + 1 - d
         _heappush(self._ends, (d + s.req.max_tokens - 2, s.order, s))
 
@@ -363,30 +279,6 @@ class Scheduler:
             if tok is not None and tok in s.req.stop_ids:
                 key = (0, s.order) if idx else (1, first_at[rid])
                 done.append((key, self._finish(s, "stop", idx + 1, now_s)))
-
-    def _finish(self, s: Seq, reason: str, generated: int, now_s: float) -> Finished:
-        rid = s.rid
-        del self._running[rid]
-        if s.dec_start >= 0:
-            del self._decoding[rid]
-            self._decode_dirty = True
-            self._kv_base -= s.plen + 1 - s.dec_start
-        else:
-            self._prefilling.pop(rid, None)
-        _heappush(self._free, s.slot)
-        req = s.req
-        toks = s.tokens
-        return new_finished(
-            rid,
-            reason,
-            () if toks is None else tuple(t for t in toks if t is not None),
-            req.arrival_s,
-            s.admitted_s,
-            s.first_token_s,
-            now_s,
-            s.plen,
-            generated,
-        )
 
     # ---- runs of decode-only steps (the simulator's fast path) -------------------
     def decode_run(self) -> tuple[int, int, int]:
@@ -421,36 +313,3 @@ class Scheduler:
         self._step += steps
         if now_s > self._clock:
             self._clock = now_s
-
-    # ---- state -----------------------------------------------------------------
-    @property
-    def max_batch_size(self) -> int:
-        return self._max_batch_size
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of KV slots held by running requests."""
-        return len(self._running) / self.config.max_slots
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
-
-    def slot_of(self, request_id: str) -> int | None:
-        s = self._running.get(request_id)
-        return None if s is None else s.slot
-
-    def active_ids(self) -> list[str]:
-        """Running then waiting request ids, in admission / arrival order."""
-        return list(self._running) + [w.request_id for w in self._waiting]
-
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self._running or request_id in self._waiting_ids

@@ -2,9 +2,10 @@
 
 serving/scheduler.py plans a step without building a :class:`DecodeEntry` per
 decoding sequence or a :class:`PrefillChunk` per chunk: it hands
-:meth:`StepPlan.lean` the counts, the step index, the decoding sequences (a tuple
-snapshot) and each chunk as ``(seq, start, length)``. :func:`build_entries` turns
-that into the entry tuples when the plan's ``decode`` or ``prefill`` is first read.
+:meth:`StepPlan.lean` the counts, the step index, a view of the decoding set
+(:data:`DecodeView`: no copy of it per step) and each chunk as ``(seq, start,
+length)``. :func:`build_entries` turns that into the entry tuples when the plan's
+``decode`` or ``prefill`` is first read.
 Everything it reads is fixed by the time the plan is made (a sequence's slot,
 request and decode start; a chunk's start and length), except the sampled-token
 list, which only grows past the indices earlier plans read, so a plan's entries
@@ -83,14 +84,30 @@ class Seq:
 
 
 Chunk = tuple[Seq, int, int]  # (sequence, start, length): a prefill chunk as planned
+# The decoding set when a plan was made: (a tuple of it as it was at some earlier step,
+# the append-only lists of sequences added to and removed from it since, and how many of
+# each had been appended then). The scheduler appends in O(1) and rebuilds the tuple once
+# the lists outgrow it, so a step never copies the set; a plan whose entries are read
+# replays its prefix of the lists (a sequence is added once and removed once: each
+# admission makes a new Seq).
+DecodeView = tuple[tuple[Seq, ...], list[Seq], int, list[Seq], int]
+
+
+def decoding_seqs(view: DecodeView) -> tuple[Seq, ...]:
+    """The decoding sequences a view names, in the set's order (admission order)."""
+    base, adds, n_adds, rems, n_rems = view
+    if not n_adds and not n_rems:
+        return base
+    gone = set(rems[:n_rems])  # Seq hashes by identity
+    return tuple([s for s in base if s not in gone] + [s for s in adds[:n_adds] if s not in gone])
 
 
 def build_entries(
     lean: tuple[Any, ...], prefill: bool
 ) -> tuple[DecodeEntry, ...] | tuple[PrefillChunk, ...]:
     """A lean plan's decode entries, or its prefill chunks (the builder StepPlan calls)."""
-    dseqs, chunks = lean[LEAN_DATA]
+    dview, chunks = lean[LEAN_DATA]
     if prefill:
         return tuple(s.chunk(start, length) for s, start, length in chunks)
     k = lean[LEAN_STEP]
-    return tuple(s.entry(k) for s in dseqs)
+    return tuple(s.entry(k) for s in decoding_seqs(dview))

@@ -357,3 +357,81 @@ def test_hot_path_objects_are_the_frozen_dataclasses() -> None:
     for obj in (chunk, fin, fin.timing):
         with pytest.raises(dataclasses.FrozenInstanceError):
             obj.request_id = "b"  # type: ignore[misc]
+
+
+def _busy_session(s: Scheduler, steps: int, *, keep: bool) -> list:
+    """Drive a scheduler with arrivals, finishes and an abort every few steps (ids reused)."""
+    import random
+
+    rng = random.Random(5)
+    plans, seen, n = [], [], 0
+    for k in range(steps):
+        for _ in range(rng.choice([0, 1, 2, 3])):
+            rid = f"r{n % 25}"
+            n += 1
+            if not s.is_active(rid):
+                s.add(req(rid, prompt_len=rng.randint(1, 30), max_tokens=rng.randint(1, 30)))
+        if k % 7 == 3 and s.active_ids():
+            s.abort(rng.choice(s.active_ids()))
+        plan = s.schedule(now_s=float(k))
+        if keep:
+            plans.append(plan)
+        else:
+            seen.append((plan.decode, plan.prefill))
+        sampled = {rid: 1 for rid in plan.sampling_ids()} if k % 2 else {}
+        s.update(plan, sampled, now_s=k + 0.5)
+    return plans if keep else seen
+
+
+def test_plans_read_long_after_they_ran_are_those_scheduled() -> None:
+    # The decoding set is handed to plans as a view (a tuple rebuilt now and then, plus
+    # the sequences added and removed since): reading a plan after hundreds of steps and
+    # many rebuilds must give what reading it at once gave.
+    def fresh() -> Scheduler:
+        return make(max_slots=40, max_batch_size=40, max_len=64, prefill_chunk=24)
+
+    at_once = _busy_session(fresh(), 400, keep=False)
+    late = [(p.decode, p.prefill) for p in _busy_session(fresh(), 400, keep=True)]
+    assert late == at_once
+    assert max(len(d) for d, _ in at_once) >= 20  # the set grew past the rebuild margin
+
+
+def test_lean_plan_counts_match_its_entries() -> None:
+    s = make(max_slots=8, max_batch_size=8, prefill_chunk=10)
+    for i, p in enumerate((7, 9, 3)):
+        s.add(req(f"r{i}", prompt_len=p, max_tokens=5))
+    for t in range(6):
+        plan = s.schedule(now_s=float(t))
+        totals = plan.totals()
+        assert totals == (
+            len(plan.decode),
+            sum(e.position + 1 for e in plan.decode),
+            sum(c.length for c in plan.prefill),
+            len(plan.prefill),
+        )
+        assert (plan.decode_batch, plan.kv_tokens) == totals[:2]
+        assert (plan.prefill_tokens, plan.prefill_count) == totals[2:]
+        s.update(plan, {}, now_s=t + 0.5)
+    by_hand = StepPlan(decode=plan.decode, prefill=plan.prefill)
+    assert by_hand == plan and by_hand.totals() == plan.totals() and by_hand.step == -1
+    with pytest.raises(ValueError, match="plan of step -1 given to update at step 6"):
+        s.update(by_hand, {}, now_s=9.0)
+
+
+def test_new_request_is_the_dataclass() -> None:
+    from serving.step_plan import new_request
+
+    r = new_request("x", 5, 3, 1.25)
+    assert r == SeqRequest(request_id="x", prompt_len=5, max_tokens=3, arrival_s=1.25)
+    assert r.prompt_ids is None and r.stop_ids == frozenset()
+
+
+def test_add_checks_int_subclasses_the_long_way() -> None:
+    import numpy as np
+
+    s = make()
+    with pytest.raises(ValueError, match=r"prompt length np.int64\(4\)"):
+        s.add(req("a", prompt_len=np.int64(4)))
+    with pytest.raises(ValueError, match="max_tokens=True"):
+        s.add(req("a", max_tokens=True))
+    assert not s.has_work

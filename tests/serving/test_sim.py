@@ -241,3 +241,62 @@ def test_deterministic_with_a_roofline_like_step_and_rejections() -> None:
     assert a.observation.rejected > 0
     assert a == b
     assert simulate(**args, seed=6).timings != a.timings
+
+
+def _plain_observation(timings, *, slo, confidence):
+    """observation_from_timings as it was written before it went to arrays: the oracle."""
+    from metrics.observation import Observation, Percentiles
+    from metrics.samples import exact_quantile, verdict_from_samples
+
+    ttft = [t.ttft_s for t in timings]
+    tpot = [x for x in (t.tpot_s for t in timings) if x is not None]
+    met = sum(
+        1
+        for t in timings
+        if t.ttft_s <= slo.ttft_p99_s and (t.tpot_s is None or t.tpot_s <= slo.tpot_p99_s)
+    )
+
+    def pct(x):
+        if not x:
+            return Percentiles()
+        return Percentiles(
+            p50=exact_quantile(x, 0.5), p90=exact_quantile(x, 0.9), p99=exact_quantile(x, 0.99)
+        )
+
+    q = slo.quantile
+    return Observation(
+        start_s=1.0,
+        end_s=7.0,
+        completed=len(timings),
+        slo_met=met,
+        rejected=3,
+        generated_tokens=sum(t.generated_tokens for t in timings),
+        ttft=pct(ttft),
+        tpot=pct(tpot),
+        ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
+        tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
+        source="sim",
+    )
+
+
+def test_observation_equals_the_plain_per_request_computation() -> None:
+    from serving.sim import observation_from_timings
+
+    r = simulate(**EQUIV_CASES["saturated-noisy"], step_time=_roofline_like, slo=SLO, seed=3)
+    single = Workload(rate_rps=200.0, output=LengthDist(kind="fixed", mean=1))
+    one_token = simulate(
+        **{**EQUIV_CASES["saturated-noisy"], "workload": single},
+        step_time=_roofline_like,
+        slo=SLO,
+        seed=3,
+    )
+    tight = Slo(ttft_p99_s=float(np.median([t.ttft_s for t in r.timings])), tpot_p99_s=0.004)
+    cases = [list(r.timings), list(one_token.timings), list(r.timings)[:7], []]
+    assert len(cases[0]) > 100 and all(t.generated_tokens == 1 for t in cases[1])
+    for timings in cases:
+        for slo in (SLO, tight):
+            got = observation_from_timings(
+                timings, slo=slo, start_s=1.0, end_s=7.0, rejected=3, confidence=0.9
+            )
+            assert repr(got) == repr(_plain_observation(timings, slo=slo, confidence=0.9))
+            assert type(got.generated_tokens) is int

@@ -1,0 +1,175 @@
+"""The scheduler's state and its requests' book-keeping (serving/scheduler.py plans steps).
+
+:class:`SchedulerState` holds what the continuous-batching scheduler knows between
+steps: the FIFO queue, the running set (prefilling, decoding), free KV slots, the
+heap of steps at which decoding requests reach ``max_tokens``, and the view of the
+decoding set the plans take (serving/seq_state.py). It takes requests in
+(``validate``, ``add``), out (``abort``, finishing one), changes the batch limit, and
+answers questions about its state. :class:`serving.scheduler.Scheduler` adds the
+step (``schedule``, ``update``) on top of it: the engine and the simulator use that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+
+from serving.seq_state import Seq
+from serving.step_plan import Finished, SchedulerConfig, SeqRequest, _is_int, new_finished
+
+logger = logging.getLogger(__name__)
+
+_heappush = heapq.heappush
+
+
+class SchedulerState:
+    """A scheduler's state between steps (see module doc)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._max_batch_size = config.max_batch_size
+        self._max_len = config.max_len
+        self._chunk_budget = config.prefill_chunk
+        self._waiting: deque[SeqRequest] = deque()
+        self._waiting_ids: set[str] = set()
+        self._running: dict[str, Seq] = {}  # insertion order = admission order
+        self._prefilling: dict[str, Seq] = {}  # running, prompt not fully cached
+        self._decoding: dict[str, Seq] = {}  # running, decoding (admission order, see update)
+        # The decoding set as plans see it, without copying it every step: a tuple of it
+        # as it was, and the sequences added to / removed from it since (append-only
+        # lists, replaced when the tuple is rebuilt), see serving/seq_state.py.
+        self._dbase: tuple[Seq, ...] = ()
+        self._dadds: list[Seq] = []
+        self._drems: list[Seq] = []
+        self._kv_base = 0  # sum over _decoding of prompt_len + 1 - dec_start (see kv_tokens)
+        self._ends: list[tuple[int, int, Seq]] = []  # (step of its last token, order, seq)
+        self._step = 0  # updates applied: the index of the next plan
+        self._admitted = 0
+        self._saw_tokens = False  # update got tokens: a skipped step would lose one
+        self._free: list[int] = list(range(config.max_slots))  # a min-heap
+        self._clock = float("-inf")  # latest time seen, for admission without now_s
+
+    # ---- requests in and out -------------------------------------------------
+    def validate(self, prompt_len: object, max_tokens: object) -> None:
+        """Raise ValueError naming the bad value if a request cannot be served."""
+        if not _is_int(prompt_len) or prompt_len < 1:
+            raise ValueError(f"prompt length {prompt_len!r}: the prompt must not be empty")
+        if not _is_int(max_tokens):
+            raise ValueError(f"max_tokens={max_tokens!r}: must be an integer")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: must be at least 1")
+        if prompt_len + max_tokens > self.config.max_len:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = "
+                f"{prompt_len + max_tokens} exceeds the context length {self.config.max_len}"
+            )
+
+    def add(self, req: SeqRequest) -> None:
+        """Queue a request; ValueError (naming the value) if it cannot be served."""
+        plen = req.prompt_len
+        mt = req.max_tokens
+        # The common case in one test (plain ints that fit); anything else the full check.
+        if not (
+            type(plen) is int
+            and type(mt) is int
+            and plen >= 1
+            and mt >= 1
+            and plen + mt <= self._max_len
+        ):
+            self.validate(plen, mt)
+        ids = req.prompt_ids
+        if ids is not None and len(ids) != plen:
+            raise ValueError(f"prompt_ids has {len(ids)} tokens but prompt_len={plen}")
+        rid = req.request_id
+        if rid in self._running or rid in self._waiting_ids:
+            raise ValueError(f"request_id={rid!r}: already in use")
+        self._waiting.append(req)
+        self._waiting_ids.add(rid)
+        if req.arrival_s > self._clock:
+            self._clock = req.arrival_s
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request, waiting or running; its slot is free at once."""
+        seq = self._running.pop(request_id, None)
+        if seq is not None:
+            if seq.dec_start >= 0:
+                del self._decoding[request_id]
+                self._drems.append(seq)
+                self._kv_base -= seq.plen + 1 - seq.dec_start
+            else:
+                self._prefilling.pop(request_id, None)
+            _heappush(self._free, seq.slot)
+            return True
+        if request_id in self._waiting_ids:
+            self._waiting_ids.discard(request_id)
+            self._waiting = deque(w for w in self._waiting if w.request_id != request_id)
+            return True
+        return False
+
+    def set_max_batch_size(self, n: int) -> None:
+        if not _is_int(n) or not 1 <= n <= self.config.max_slots:
+            raise ValueError(
+                f"max_batch_size={n!r}: must be an integer in 1..{self.config.max_slots} "
+                "(max_slots)"
+            )
+        if n != self._max_batch_size:
+            logger.info("max_batch_size %d -> %d", self._max_batch_size, n)
+        self._max_batch_size = n
+
+    def _finish(self, s: Seq, reason: str, generated: int, now_s: float) -> Finished:
+        rid = s.rid
+        del self._running[rid]
+        if s.dec_start >= 0:
+            del self._decoding[rid]
+            self._drems.append(s)
+            self._kv_base -= s.plen + 1 - s.dec_start
+        else:
+            self._prefilling.pop(rid, None)
+        _heappush(self._free, s.slot)
+        req = s.req
+        toks = s.tokens
+        return new_finished(
+            rid,
+            reason,
+            () if toks is None else tuple(t for t in toks if t is not None),
+            req.arrival_s,
+            s.admitted_s,
+            s.first_token_s,
+            now_s,
+            s.plen,
+            generated,
+        )
+
+    # ---- state -----------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV slots held by running requests."""
+        return len(self._running) / self.config.max_slots
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def slot_of(self, request_id: str) -> int | None:
+        s = self._running.get(request_id)
+        return None if s is None else s.slot
+
+    def active_ids(self) -> list[str]:
+        """Running then waiting request ids, in admission / arrival order."""
+        return list(self._running) + [w.request_id for w in self._waiting]
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._running or request_id in self._waiting_ids
