@@ -18,11 +18,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from serving.model import Transformer, sample
-from serving.scheduler import StepPlan
+from serving.scheduler import DecodeEntry, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -57,35 +58,59 @@ class TorchExecutor:
         if not rows:
             return {}
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [R, V]
-        tl = [temps.get(r, 0.0) for r in rows]
-        t = torch.tensor(tl, device=self.device)  # [R]
-        drawn = sample(all_logits, t, self._gen, any_hot=any(x > 0 for x in tl)).tolist()
-        return dict(zip(rows, drawn, strict=True))
+        return draw(rows, all_logits, temps, self._gen)
 
     def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:
         entries = sorted(plan.decode, key=lambda e: e.slot)
-        lo, hi = entries[0].slot, entries[-1].slot
-        span = hi - lo + 1
-        dev = self.device
-        if span <= DENSE_SPAN * len(entries):
-            tok = [0] * span
-            pos = [self.max_len - 1] * span  # dummy rows: a position nobody reads
-            for e in entries:
-                tok[e.slot - lo] = int(e.token)
-                pos[e.slot - lo] = e.position
-            logits = self.model(
-                torch.tensor(tok, device=dev)[:, None],  # [span, 1]
-                torch.tensor(pos, device=dev)[:, None],  # [span, 1]
-                torch.arange(lo, hi + 1, device=dev),  # [span]
-                slot_start=lo,
-            )  # [span, V]
-            if span > len(entries):  # drop the dummy rows (a copy of [B, V] fp32 logits)
-                keep = torch.tensor([e.slot - lo for e in entries], device=dev)  # [B]
-                logits = logits.index_select(0, keep)  # [B, V]
-        else:
-            logits = self.model(
-                torch.tensor([[int(e.token)] for e in entries], device=dev),  # [B, 1]
-                torch.tensor([[e.position] for e in entries], device=dev),  # [B, 1]
-                torch.tensor([e.slot for e in entries], device=dev),  # [B]
-            )  # [B, V]
+        tokens, positions, slots, start, keep = decode_inputs(entries, self.max_len, self.device)
+        logits = self.model(tokens, positions, slots, slot_start=start)  # [span or B, V]
+        if keep is not None:  # drop the dummy rows (a copy of [B, V] fp32 logits)
+            logits = logits.index_select(0, keep)  # [B, V]
         return [e.request_id for e in entries], logits
+
+
+def decode_inputs(
+    entries: Sequence[DecodeEntry], max_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None, torch.Tensor | None]:
+    """The host work before a decode forward: (tokens [R, 1], positions [R, 1], slots [R],
+    slot_start or None, rows to keep or None) for ``entries`` sorted by slot.
+
+    A public function so the calibration (search/decode_step.py) times the engine's
+    own per-step host work, not a copy of it."""
+    lo, hi = entries[0].slot, entries[-1].slot
+    span = hi - lo + 1
+    dev = device
+    if span <= DENSE_SPAN * len(entries):
+        tok = [0] * span
+        pos = [max_len - 1] * span  # dummy rows: a position nobody reads
+        for e in entries:
+            tok[e.slot - lo] = int(e.token)
+            pos[e.slot - lo] = e.position
+        keep = None
+        if span > len(entries):
+            keep = torch.tensor([e.slot - lo for e in entries], device=dev)  # [B]
+        return (
+            torch.tensor(tok, device=dev)[:, None],  # [span, 1]
+            torch.tensor(pos, device=dev)[:, None],  # [span, 1]
+            torch.arange(lo, hi + 1, device=dev),  # [span]
+            lo,
+            keep,
+        )
+    return (
+        torch.tensor([[int(e.token)] for e in entries], device=dev),  # [B, 1]
+        torch.tensor([[e.position] for e in entries], device=dev),  # [B, 1]
+        torch.tensor([e.slot for e in entries], device=dev),  # [B]
+        None,
+        None,
+    )
+
+
+def draw(
+    rows: list[str], logits: torch.Tensor, temps: dict[str, float], gen: torch.Generator
+) -> dict[str, int]:
+    """The host work after a forward: sample one token per row of ``logits`` [R, V]
+    (fp32) at each request's temperature and hand them back to Python."""
+    tl = [temps.get(r, 0.0) for r in rows]
+    t = torch.tensor(tl, device=logits.device)  # [R]
+    drawn = sample(logits, t, gen, any_hot=any(x > 0 for x in tl)).tolist()
+    return dict(zip(rows, drawn, strict=True))

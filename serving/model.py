@@ -26,7 +26,7 @@ from ``positions[0, 0]`` on). Keys are read from the cache: a view when the
 slots are one ascending run (no copy), one ``index_select`` gather (K and V
 together) otherwise; an additive mask, built once per step, hides positions
 beyond each query's own. Whole ``max_len`` rows are read (see
-``_StepContext.read``), so size ``max_len`` to the contexts served.
+``StepContext.read``), so size ``max_len`` to the contexts served.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch import nn
 
 from serving.config import ModelConfig
 from serving.fused_linear import FusedHF, Linear, can_prepack
+from serving.step_context import StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Attention(FusedHF):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, d_model]
-        ctx: _StepContext,
+        ctx: StepContext,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         h, hkv, d = self.n_heads, self.n_kv, self.hd
@@ -164,7 +165,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:  # x: [B, T, d]
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:  # x: [B, T, d]
         # ``.forward`` called directly: ``nn.Module.__call__`` costs ~2 us of CPU and
         # a decode step makes ~100 of them (no module here has forward hooks).
         # Residual adds fused into o_proj and down_proj (one oneDNN op each).
@@ -179,61 +180,6 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-
-
-class _StepContext:
-    """Where one forward writes and reads the cache, its rotary factors and its mask;
-    built once per step, shared by every layer."""
-
-    def __init__(
-        self,
-        positions: torch.Tensor,  # [B, T]
-        slots: torch.Tensor | None,  # [B]
-        slot_start: int | None,
-        *,
-        max_slots: int,
-        kv_len: int,
-        n_kv_heads: int,
-        n_heads: int,
-        cos: torch.Tensor,  # [P, D] in the model dtype
-        sin_signed: torch.Tensor,  # [P, D]
-    ) -> None:
-        b, t = positions.shape
-        dev = positions.device
-        self.slots, self.slot_start, self.b = slots, slot_start, b
-        self.cos = cos[positions].unsqueeze(2)  # [B, T, 1, D]
-        self.sin = sin_signed[positions].unsqueeze(2)  # [B, T, 1, D]
-        if slots is not None:
-            # Row of (K|V j, slot, kv head h, position p) in a cache viewed as
-            # [2*S*Hkv*L, D]: ((j*S + slot)*Hkv + h)*L + p; ordered [B, T, 2, Hkv]
-            # like the k|v half of the qkv output, so one index_put_ writes both.
-            j = torch.arange(2, device=dev)[:, None]  # [2, 1]
-            hh = torch.arange(n_kv_heads, device=dev)[None, :]  # [1, Hkv]
-            within = (j * max_slots * n_kv_heads + hh) * kv_len  # [2, Hkv]
-            base = slots * (n_kv_heads * kv_len)  # [B]
-            rows = base[:, None, None, None] + within + positions[:, :, None, None]  # [B,T,2,Hkv]
-            self.rows = rows.flatten(2)  # [B, T, 2*Hkv]
-        key_pos = torch.arange(kv_len, device=dev)  # [Lk]
-        hidden = key_pos > positions[:, None, None, :, None]  # [B, 1, 1, T, Lk]
-        g = n_heads // n_kv_heads
-        # The scores GEMM's addend (0 / -inf, in the model dtype), one row per query
-        # row of the grouped GEMM: [B*Hkv, g*T, Lk], materialized once per step.
-        mask = torch.zeros(hidden.shape, dtype=cos.dtype, device=dev).masked_fill_(
-            hidden, float("-inf")
-        )  # [B, 1, 1, T, Lk]
-        self.mask = mask.expand(b, n_kv_heads, g, t, kv_len).reshape(b * n_kv_heads, g * t, kv_len)
-
-    def write(self, cache: torch.Tensor, kv: torch.Tensor) -> None:
-        # cache: [2, S, Hkv, L, D]; kv: [B, T, 2*Hkv, D] (a strided view of qkv)
-        cache.view(-1, cache.shape[-1]).index_put_((self.rows,), kv)
-
-    def read(self, cache: torch.Tensor) -> torch.Tensor:
-        # cache: [2, S, Hkv, L, D] -> [2, B, Hkv, L, D]. Whole slots are read: a
-        # narrowed length makes the batch non-contiguous and CPU bmm then copies
-        # it, 5-8x slower than reading all max_len positions (measured).
-        if self.slot_start is not None:
-            return cache.narrow(1, self.slot_start, self.b)  # a view: no copy
-        return cache.index_select(1, self.slots)
 
 
 class Transformer(nn.Module):
@@ -267,6 +213,22 @@ class Transformer(nn.Module):
                 rows = [n for _, n in owner.parts] if getattr(owner, "parts", ()) else [len(p)]
                 for part in p.split(rows):
                     part.normal_(0.0, 0.02, generator=gen)
+        return model.prepare(device)
+
+    @classmethod
+    def for_timing(cls, cfg: ModelConfig, *, device: str | torch.device = "cpu") -> Transformer:
+        """Real-size weights drawn on the device in cfg.dtype, no seed: for timing only
+        (the calibration, search/decode_step.py), quicker than :meth:`random`."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        model.to(dtype=torch_dtype(cfg.dtype))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
         return model.prepare(device)
 
     def prepare(self, device: str | torch.device) -> Transformer:
@@ -345,8 +307,24 @@ class Transformer(nn.Module):
         so the cache is read as a view. Without ``slots``: plain causal
         attention over ``tokens`` (positions must be 0..T-1), no cache.
         """
+        x, ctx = self.prologue(tokens, positions, slots, slot_start=slot_start)
+        for layer in self.model.layers:
+            x = layer.forward(x, ctx)
+        return self.logits(x, last_only=last_only)
+
+    def prologue(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B, T] int64
+        slots: torch.Tensor | None = None,  # [B] int64
+        *,
+        slot_start: int | None = None,
+    ) -> tuple[torch.Tensor, StepContext]:
+        """What a forward does before the layers: the embedding [B, T, d_model] and the
+        step's shared context (rotary factors, cache rows, mask). Public so the
+        calibration (search/decode_step.py) times the engine's own code."""
         x = self.model.embed_tokens(tokens)  # [B, T, d_model]
-        ctx = _StepContext(
+        ctx = StepContext(
             positions,
             slots,
             slot_start,
@@ -357,8 +335,11 @@ class Transformer(nn.Module):
             cos=self.rope_cos,
             sin_signed=self.rope_sin,
         )
-        for layer in self.model.layers:
-            x = layer.forward(x, ctx)
+        return x, ctx
+
+    def logits(self, x: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
+        """What a forward does after the layers: final norm, lm_head, fp32 logits
+        [B, V] at each row's last position (or [B, T, V])."""
         if last_only:
             x = x[:, -1]  # [B, d_model]
         return self.lm_head.forward(self.model.norm.forward(x)).float()  # [B, V] or [B, T, V]
