@@ -192,9 +192,15 @@ def grid_knobs(bench: Bench, kind: str = "grid") -> list[Knobs]:
 
 
 def run_strategy(
-    bench: Bench, strategy: str, seed: int, cap: int, oracle_goodput: float
+    bench: Bench,
+    strategy: str,
+    seed: int,
+    cap: int,
+    oracle_goodput: float,
+    trace: list[dict] | None = None,
 ) -> tuple[int, bool]:
-    """Trials until the incumbent is truly feasible and within 5% of the oracle."""
+    """Trials until the incumbent is truly feasible and within 5% of the oracle (a tuner's
+    trials are appended to ``trace`` when given: bench/search_trace.py)."""
     t = bench.target
     counts: dict[Knobs, int] = {}
 
@@ -233,8 +239,10 @@ def run_strategy(
         k = tuner.propose()
         n = counts.get(k, 0)
         counts[k] = n + 1
-        tuner.report(k, bench.measure(k, seed=seed, nth=n))
+        rec = tuner.report(k, o := bench.measure(k, seed=seed, nth=n))
         inc = tuner.best()
+        if trace is not None:
+            trace.append({"trial": i, "record": rec, "observation": o, "incumbent": inc})
         if good(inc[0] if inc else None):
             return i, True
     return cap + 1, False
