@@ -46,6 +46,11 @@ class Round:
     seconds: float
     cpu_s: float = math.nan  # CPU seconds of the processes on the request path
     cpu_parts: tuple[float, ...] = ()  # per process: client, proxy, replica (Serve rounds)
+    # Serve rounds: SSE events with choices per request (median; the final one, with the
+    # finish reason, included), and the longest gap
+    # between two of a request's events (the most a client waited for the next text).
+    events_per_request: float = math.nan
+    max_event_gap_s: float = math.nan
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,7 +100,7 @@ async def serve_round(
 ) -> Round:
     import httpx
 
-    async def one(client: httpx.AsyncClient, text: str) -> int:
+    async def one(client: httpx.AsyncClient, text: str) -> tuple[int, int, float]:
         body = {
             "model": model,
             "prompt": text,
@@ -104,23 +109,35 @@ async def serve_round(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        used = -1
+        used, events, last, gap = -1, 0, math.nan, 0.0
         async with client.stream("POST", url, json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if line.startswith('data: {"id"') and '"usage"' in line:
                     used = json.loads(line[6:])["usage"]["completion_tokens"]
+                elif line.startswith("data: {"):  # an event with text
+                    now = time.perf_counter()
+                    if events:
+                        gap = max(gap, now - last)
+                    events, last = events + 1, now
         if used < 0:
             raise RuntimeError("stream ended without a usage chunk")
-        return used
+        return used, events, gap
 
     limits = httpx.Limits(max_connections=len(texts) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         c0, t0 = cpu_each(pids), time.perf_counter()
-        counts = await asyncio.gather(*(one(client, t) for t in texts))
+        got = await asyncio.gather(*(one(client, t) for t in texts))
         dt = time.perf_counter() - t0
         parts = tuple(b - a for a, b in zip(c0, cpu_each(pids), strict=True))
-        return Round(tokens=sum(counts), seconds=dt, cpu_s=sum(parts), cpu_parts=parts)
+        return Round(
+            tokens=sum(n for n, _, _ in got),
+            seconds=dt,
+            cpu_s=sum(parts),
+            cpu_parts=parts,
+            events_per_request=statistics.median(e for _, e, _ in got),
+            max_event_gap_s=max(g for _, _, g in got),
+        )
 
 
 def proxy_pid() -> int:
@@ -264,6 +281,10 @@ def main() -> None:
             "serve_cpu_ms_per_token": round(
                 statistics.median(s.cpu_ms_per_token for _, s in ps), 3
             ),
+            "events_per_request": statistics.median(s.events_per_request for _, s in ps),
+            # The longest wait for the next text any client saw (all rounds): pacing
+            # plus step time plus whatever the machine's load added.
+            "max_event_gap_s": round(max(s.max_event_gap_s for _, s in ps), 3),
         }
 
     variants = [variant(k) for k in range(len(apps))]
@@ -286,11 +307,15 @@ def main() -> None:
             f"{s.cpu_ms_per_token:>16.2f}"
         )
     if len(variants) > 1:
-        print(f"{'stream interval s':>17} {'ratio (median)':>14} {'serve cpu ms/tok':>16}")
+        print(
+            f"{'stream interval s':>17} {'ratio (median)':>14} {'serve cpu ms/tok':>16} "
+            f"{'events/request':>14} {'max gap s':>9}"
+        )
         for v in variants:
             print(
                 f"{v['stream_interval_s']!s:>17} {v['serve_to_engine_ratio']:>14.3f} "
-                f"{v['serve_cpu_ms_per_token']:>16.2f}"
+                f"{v['serve_cpu_ms_per_token']:>16.2f} {v['events_per_request']:>14} "
+                f"{v['max_event_gap_s']:>9.3f}"
             )
     result = {
         "serve_to_engine_ratio": round(statistics.median(ratios), 4),
