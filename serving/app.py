@@ -315,6 +315,9 @@ class CompletionServer:
                     prompt_tokens=len(prompt_ids),
                     include_usage=req.include_usage,
                     interval_s=0.0,
+                    # tokens that end inside a character: the next one at once, so
+                    # pacing never holds text (the first included) past its interval
+                    on_incomplete=lambda: self.engine.flush_next(cid),
                 ):
                     yield event
             except asyncio.CancelledError:

@@ -157,6 +157,15 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def flush_next(self, request_id: str) -> None:
+        """Have the engine thread hand this stream's next token over at once, whatever
+        its interval (a consumer whose tokens ended inside a character asks for it).
+        Called on the consumer's loop; a race with the step that is ending only
+        delays it to the stream's interval."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.flush_at = -math.inf
+
     def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends (without error) and its slot is freed."""
         self._deliver([(request_id, _DONE)])

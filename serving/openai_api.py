@@ -335,6 +335,7 @@ async def sse_completion_stream(
     include_usage: bool = False,
     interval_s: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
+    on_incomplete: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streamed completion, from the engine's token chunks.
 
@@ -346,6 +347,10 @@ async def sse_completion_stream(
     (a chunk arriving later than that goes out at once, so a step slower than the
     interval is never delayed). The end is one write: the last text with its
     finish reason, the usage chunk if asked for, and ``[DONE]``.
+
+    ``on_incomplete`` is called when a chunk's tokens end inside a character, so
+    no text could go out: the server uses it to have the engine hand the next
+    token over at once instead of after its stream interval.
     """
     enc = ChunkEncoder(completion_id=completion_id, model=model, created=int(time.time()))
     decoder = IncrementalDecoder(decode=decode)
@@ -355,7 +360,10 @@ async def sse_completion_stream(
     last = clock()
     async for chunk in chunks:
         n += len(chunk)
-        pending += decoder.push_many(chunk)
+        delta = decoder.push_many(chunk)
+        if not delta and chunk and on_incomplete is not None:
+            on_incomplete()
+        pending += delta
         if pending and (not sent_any or clock() - last >= interval_s):
             yield enc.text(pending)
             pending, sent_any, last = "", True, clock()

@@ -525,3 +525,17 @@ def test_sse_stream_sends_a_ready_chunk_as_one_event_and_counts_every_token() ->
     assert len(chunks) == 4
     assert events[-2]["usage"]["completion_tokens"] == 6
     assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_sse_stream_asks_for_the_next_token_when_a_character_is_cut() -> None:
+    # "é" is two bytes: after the first the text is incomplete, so the server asks
+    # the engine to hand over the next token at once (not after its interval).
+    asked: list[int] = []
+    steps = [(0xC3, 0.0), (0xA9, 0.01), (ord("x"), 0.02), ([0xE2, 0x82], 0.03), (0xAC, 0.04)]
+    events, _ = _run_stream(
+        steps, max_tokens=6, prompt_tokens=1, on_incomplete=lambda: asked.append(1)
+    )
+    texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"]]
+    assert "".join(texts) == "éx€"
+    assert texts[0] == "é"
+    assert len(asked) == 2  # after 0xC3 and after 0xE2 0x82, never after whole text

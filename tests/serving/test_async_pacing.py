@@ -221,3 +221,27 @@ def test_events_budget_gives_a_crowd_the_full_interval() -> None:
         [],
     ]
     assert sum(len(s.held) for s in eng._streams.values()) == 3  # step 6's tokens, held
+
+
+def test_flush_next_hands_the_next_token_over_at_once() -> None:
+    # A consumer whose text ended inside a character asks for the next token now:
+    # without flush_next the 25 ms interval would hold it for two more steps.
+    eng = AsyncEngine(make_engine(), clock=step_clock())
+    loop = asyncio.new_event_loop()
+    calls: list[list[int]] = []
+
+    def record(fn, batch):
+        calls.append([len(items) for _, items in batch])
+
+    loop.call_soon_threadsafe = record  # type: ignore[method-assign]
+    try:
+        eng._streams["a"] = _Stream(loop, 0.025)
+        eng._deliver_step({"a": 1}, [])  # first token: at once
+        eng.flush_next("a")
+        eng._deliver_step({"a": 2}, [])  # at once again, though 10 ms < 25 ms
+        eng._deliver_step({"a": 3}, [])  # held: the interval applies again
+        eng.flush_next("gone")  # an unknown (finished) request: nothing happens
+    finally:
+        loop.close()
+    assert calls == [[1], [1]]
+    assert eng._streams["a"].held == [3]
