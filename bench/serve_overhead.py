@@ -46,9 +46,9 @@ class Round:
     seconds: float
     cpu_s: float = math.nan  # CPU seconds of the processes on the request path
     cpu_parts: tuple[float, ...] = ()  # per process: client, proxy, replica (Serve rounds)
-    # Serve rounds: SSE events with choices per request (median; the final one, with the
-    # finish reason, included), and the longest gap
-    # between two of a request's events (the most a client waited for the next text).
+    # Serve rounds: SSE events with choices per request (median; the final one, with
+    # the finish reason, included), and the longest gap between two of a request's
+    # events (the most a client waited for the next text: pacing, steps and load).
     events_per_request: float = math.nan
     max_event_gap_s: float = math.nan
 
