@@ -16,6 +16,11 @@ path. The JSON records the niceness of both engines and the client's CPU share
 (near 1.0 would mean the HTTP client, not the server, was the bottleneck).
 
     .venv/bin/python bench/serve_overhead.py [--model small] [--batch 32] [--max-tokens 64]
+        [--stream-interval S] [--also-interval S ...]
+
+``--also-interval`` deploys one more app per stream interval and times each in the
+same rounds (an A/B in one run, ``variants`` in the JSON); the headline ratio is the
+first app's (the server's defaults unless ``--stream-interval`` is given).
 
 Prints a table, then one JSON line with ``serve_to_engine_ratio``.
 """
