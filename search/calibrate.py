@@ -5,14 +5,18 @@ Measures, with torch on the CPU (or the first CUDA device):
 - sustained memory bandwidth: a reduction over a tensor far larger than the
   caches, filled first (untouched pages read as one shared zero page and lie);
 - dense matmul peak FLOP/s per dtype (square GEMMs);
-- at decode shapes, per dtype: the rate at which a model's linear layers consume
-  weight bytes at batch 1..256 (every linear of the reference model in turn, so
-  the working set is the model's and nothing stays cached between passes), the
-  rate at which decode attention reads the KV cache (done the way the serving
-  model does it: see :func:`measure_kv_rate`), and the time a layer spends in
-  everything else (norms, rotary, cache writes: :func:`measure_layer_overhead`,
-  timed hot, and a whole layer against its linears and attention alone
-  (:mod:`search.decode_layer`): the larger of the two).
+- at decode shapes, per dtype, on the serving model itself built at the reference
+  model's shapes (:func:`search.decode_step.timing_model`: real-size random
+  weights, prepacked as the engine prepacks them, drawn once): the rate at which
+  its linears consume weight bytes at batch 1..256 (every linear in turn, so the
+  working set is the model's and nothing stays cached between passes), the rate
+  at which decode attention reads the KV cache (:func:`measure_kv_rate`), the time
+  a layer spends in everything else (norms, rotary, cache writes: timed hot, and
+  the model's own layers timed whole against their linears and attention
+  (:mod:`search.decode_layer`): the larger of the two), and the time a step spends
+  outside its layers beyond the lm_head's weight bytes (the executor's host work,
+  embedding, step context, final norm, fp32 logits, sampling: timed hot, and the
+  engine's own code timed on cold caches (:mod:`search.decode_step`): the larger).
 
 The result is a :class:`~search.hardware.HardwareSpec` whose ``decode``
 profiles let :class:`~search.roofline.Roofline` predict a real decode step on
@@ -41,8 +45,8 @@ from search.decode_shapes import (
     measure_kv_rate,
     measure_layer_overhead,
     measure_step_overhead,
-    measure_weight_rate,
 )
+from search.decode_step import measure_step_in_stream, measure_weight_rate_on, timing_model
 from search.hardware import BYTES_PER_ELEM, DecodeProfile, HardwareSpec
 from search.models import ModelSpec
 
@@ -65,10 +69,12 @@ class CalibrationPlan:
     bandwidth_bytes: int = 1 << 30
     matmul_n: int = 2048
     weight_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    # KV rates and per-layer overheads (the layer timed whole) at these batches;
-    # held flat beyond the largest. 256 is measured, not extrapolated: held flat
-    # from 64, the prediction of a small-model B=256 step came out 17-28% low.
-    kv_batches: tuple[int, ...] = (1, 8, 64, 256)
+    # KV rates and per-layer and per-step overheads (the layers and the step outside
+    # them timed whole) at these batches, interpolated log-log between them (factors
+    # of 4 apart, where 8 left 16 and 32 to an interpolation over 8x), held flat
+    # beyond the largest. 256 is measured, not extrapolated: held flat from 64, the
+    # prediction of a small-model B=256 step came out 17-28% low.
+    kv_batches: tuple[int, ...] = (1, 4, 16, 64, 256)
     context: int = 256
     reps: int = 1
     budget_s: float = 0.06  # per point and pass: keep trying for a quiet moment this long
@@ -210,6 +216,11 @@ def _layer_bytes(model: ModelSpec, dtype: str, context: int) -> tuple[int, int]:
     return weights, 2 * m.kv_heads * m.head_dim * context * bpe
 
 
+def _head_bytes(model: ModelSpec, dtype: str) -> int:
+    """Bytes of the lm_head's weight: what the roofline divides by the weight rate."""
+    return model.embedding_params * BYTES_PER_ELEM[dtype]
+
+
 def calibrate(
     *,
     device: str | None = None,
@@ -271,6 +282,10 @@ def _calibrate(
             ov: dict[int, float] = {}
             so: dict[int, float] = {}
             stream: dict[str, dict[int, float]] = {"full": {}, "linears": {}, "attention": {}}
+            step_stream: dict[int, float] = {}
+            # The serving model itself at the reference model's shapes (built once per
+            # dtype): its own layers and its own step outside them are timed in stream.
+            timing = timing_model(dev, d, model, plan.context)
             for i in range(plan.passes):
                 if i and time.perf_counter() - t0 > plan.max_s * (dtypes.index(d) + 1) / len(
                     dtypes
@@ -278,7 +293,7 @@ def _calibrate(
                     logger.warning("calibration past its time: %d pass(es) of %s", i, d)
                     break
                 args = (plan.reps, plan.budget_s)
-                _keep(wr, measure_weight_rate(dev, d, model, plan.weight_batches, *args), max)
+                _keep(wr, measure_weight_rate_on(timing, model, d, plan.weight_batches, *args), max)
                 _keep(kr, measure_kv_rate(dev, d, model, plan.kv_batches, plan.context, *args), max)
                 _keep(
                     ov,
@@ -290,9 +305,19 @@ def _calibrate(
                     measure_step_overhead(dev, d, model, plan.kv_batches, *args, plan.context),
                     min,
                 )
-                parts = measure_layer_in_stream(dev, d, model, plan.kv_batches, plan.context, *args)
+                parts = measure_layer_in_stream(
+                    dev, d, model, plan.kv_batches, plan.context, *args, timing=timing
+                )
                 for j, key in enumerate(("full", "linears", "attention")):
                     _keep(stream[key], {b: t[j] for b, t in parts.items()}, min)
+                _keep(
+                    step_stream,
+                    measure_step_in_stream(
+                        dev, d, model, plan.kv_batches, plan.context, *args, timing=timing
+                    ),
+                    min,
+                )
+            del timing
             rates = DecodeProfile(
                 weight_rate=monotone_rates(wr, lambda b: 1.0), kv_rate=monotone_rates(kr, float)
             )
@@ -307,6 +332,14 @@ def _calibrate(
                 b: layer_residual(full, lw / rates.weight_rate_at(b), b * lkv / rates.kv_rate_at(b))
                 for b, full in stream["full"].items()
             }
+            # The same for the step outside the layers (the engine's host work, embedding,
+            # step context, final norm, lm_head, logits, sampling: search/decode_step.py):
+            # what it takes beyond the lm_head's weight bytes at the profile's rate.
+            hw_bytes = _head_bytes(model, d)
+            srs = {
+                b: max(0.0, full - hw_bytes / rates.weight_rate_at(b))
+                for b, full in step_stream.items()
+            }
             raw[d] = {
                 "weight_rate": wr,
                 "kv_rate": kr,
@@ -314,8 +347,11 @@ def _calibrate(
                 "step_s": so,
                 "layer_residual_s": rs,
                 "layer_full_s": dict(stream["full"]),
+                "step_residual_s": srs,
+                "step_full_s": dict(step_stream),
             }
             ov = {b: max(ov[b], rs.get(b, 0.0)) for b in ov}
+            so = {b: max(so[b], srs.get(b, 0.0)) for b in so}
             decode[d] = DecodeProfile(
                 weight_rate=rates.weight_rate,
                 kv_rate=rates.kv_rate,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from serving.model import Transformer, sample
-from serving.scheduler import DecodeEntry, StepPlan
+from serving.step_plan import DecodeEntry, StepPlan
 
 logger = logging.getLogger(__name__)
 

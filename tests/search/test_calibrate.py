@@ -75,6 +75,8 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
             "step_s",
             "layer_residual_s",
             "layer_full_s",
+            "step_residual_s",
+            "step_full_s",
         }
         # At the measured batches a layer's predicted time adds up to the mirrored
         # layer timed whole (the residual is taken against the profile's own rates).
@@ -85,6 +87,19 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
         top = plan.kv_batches[-1]  # the largest batch: no smoothing from above
         want = max(raw["layer_s"][top], raw["layer_residual_s"][top])
         assert prof.layer_overhead_s[top] == pytest.approx(want)
+        # The step outside the layers, run by the engine's own code (lm_head included),
+        # is what the profile adds up to there: the lm_head's bytes at the profile's
+        # rate plus the step overhead (never below the hot-timed pieces).
+        assert set(raw["step_full_s"]) == set(plan.kv_batches)
+        head = TINY.embedding_params * (4 if dt == "fp32" else 2)
+        for b, full in raw["step_full_s"].items():
+            assert full > 0 and math.isfinite(full)
+            assert raw["step_residual_s"][b] == pytest.approx(
+                max(0.0, full - head / prof.weight_rate_at(b))
+            )
+        assert prof.step_overhead_s[top] == pytest.approx(
+            max(raw["step_s"][top], raw["step_residual_s"][top])
+        )
         # The overhead used is never below the hot-timed pieces (smoothed: a batch
         # takes no more than a larger one was measured at).
         ks = plan.kv_batches
