@@ -203,11 +203,22 @@ class Scheduler(SchedulerState):
                 s = _heappop(ends)[2]
                 if decoding.get(s.rid) is s:
                     done.append(self._finish(s, "length", k - s.dec_start + 2, now_s))
-        for _, s in firsts:
-            if s.req.max_tokens == 1:
-                done.append(self._finish(s, "length", 1, now_s))
-            else:
-                self._start_decoding(s, k)
+        if firsts:  # _start_decoding, inlined: one call less per request
+            d = k + 1
+            decoding = self._decoding
+            dadds = self._dadds
+            kv_base = self._kv_base
+            for _, s in firsts:
+                mt = s.req.max_tokens
+                if mt == 1:
+                    done.append(self._finish(s, "length", 1, now_s))  # never decoded
+                    continue
+                s.dec_start = d
+                decoding[s.rid] = s
+                dadds.append(s)
+                kv_base += s.plen + 1 - d
+                _heappush(ends, (d + mt - 2, s.order, s))
+            self._kv_base = kv_base
         self._step = k + 1
         return done
 

@@ -31,6 +31,8 @@ against the plain reference loop).
 from __future__ import annotations
 
 import bisect
+import gc
+import itertools
 import logging
 import math
 import operator
@@ -164,7 +166,8 @@ def observation_from_timings(
 ) -> Observation:
     """The Observation of a window from per-request timings (exact quantiles, verdicts)."""
     # RequestTiming's ttft_s and tpot_s, as arrays: the same float operations.
-    rows = np.array(list(map(_TIMES, timings)), dtype=np.float64).reshape(-1, 4)  # [n, 4]
+    flat = itertools.chain.from_iterable(map(_TIMES, timings))
+    rows = np.fromiter(flat, dtype=np.float64, count=4 * len(timings)).reshape(-1, 4)  # [n, 4]
     arrival, first, last, generated = rows.T  # [n] each
     ttft_a = first - arrival  # [n]
     has_tpot = generated >= 2  # [n]
@@ -209,7 +212,39 @@ def simulate(
     slo: Slo,
     seed: int = 0,
 ) -> SimResult:
-    """Run one measurement window of the engine at the given knobs (see module doc)."""
+    """Run one measurement window of the engine at the given knobs (see module doc).
+
+    The cyclic garbage collector is paused while it runs and resumed after (if it was
+    on): a window allocates thousands of short-lived objects that reference counting
+    frees, and the collections their allocation would trigger were ~7 % of a saturated
+    window's instructions (valgrind, h100-8b at batch 416)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(
+            max_batch_size=max_batch_size,
+            max_concurrency=max_concurrency,
+            workload=workload,
+            step_time=step_time,
+            config=config,
+            slo=slo,
+            seed=seed,
+        )
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _simulate(
+    *,
+    max_batch_size: int,
+    max_concurrency: int,
+    workload: Workload,
+    step_time: StepTimeFn,
+    config: SimConfig,
+    slo: Slo,
+    seed: int,
+) -> SimResult:
     if not (isinstance(max_batch_size, int) and max_batch_size >= 1):
         raise ValueError(f"max_batch_size={max_batch_size!r}: must be an integer >= 1")
     if not (isinstance(max_concurrency, int) and max_concurrency >= max_batch_size):

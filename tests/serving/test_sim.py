@@ -300,3 +300,23 @@ def test_observation_equals_the_plain_per_request_computation() -> None:
             )
             assert repr(got) == repr(_plain_observation(timings, slo=slo, confidence=0.9))
             assert type(got.generated_tokens) is int
+
+
+def test_the_garbage_collector_is_left_as_it_was() -> None:
+    import gc
+
+    assert gc.isenabled()
+    run()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        run()
+        assert not gc.isenabled()
+        with pytest.raises(ValueError):
+            run(max_concurrency=0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError):
+        run(step_time=const(-1.0))
+    assert gc.isenabled()
