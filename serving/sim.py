@@ -16,9 +16,11 @@ neighbour for the whole window). A run measures the requests that finish in
 deployment yields: exact percentiles and three-way SLO verdicts from the
 per-request samples (:mod:`metrics.samples`). Deterministic under a seed.
 
-Speed. The scheduler costs O(1) per step whatever the decode batch (see
-serving/scheduler.py), arrivals a full server turns away are counted in one
-bisect, and, when the step-time function also offers
+Speed. The scheduler costs O(1) per step whatever the decode batch and builds no
+plan entries the simulator does not read (see serving/scheduler.py), arrivals a
+full server turns away are counted in one bisect, a request's lengths are read
+only when it is admitted, the cyclic garbage collector is paused during a run,
+and, when the step-time function also offers
 ``decode_run(batch, kv_tokens[m]) -> seconds[m]`` (the times of decode-only plans
 of ``batch`` sequences reading those KV tokens, equal to calling it on such
 plans), a run of decode-only steps between events (the next request to finish,
