@@ -186,8 +186,9 @@ def test_prepacked_linears_are_bit_identical() -> None:
 
 
 def test_calibration_times_the_linears_the_model_runs() -> None:
-    # search/decode_shapes.py mirrors the model's linears (it may not import serving):
-    # the same (out, in) shapes in the same order, the fused ones included.
+    # search/decode_shapes.py times the model's linears by their shapes (and
+    # search/decode_step.py the model itself): the same (out, in) shapes in the same
+    # order, the fused ones included.
     from search.decode_shapes import _linear_shapes
     from search.models import ModelSpec
 
