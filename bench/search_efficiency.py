@@ -36,7 +36,8 @@ pre-simulated windows, shared by all strategies (it also keeps the benchmark
 cheap). A strategy that has not succeeded by its trial cap is counted as cap+1
 (shown as ">cap"; the table also gives how many seeds got there).
 
-Usage: ``python bench/search_efficiency.py [--quick] [--seeds 20] [--jobs 2]``.
+Usage: ``python bench/search_efficiency.py [--quick] [--seeds 20] [--jobs 2]``;
+``--scenarios a100-8b h100x8-70b`` runs the held-out scenarios (not in the default set).
 Prints a table, then one JSON line. The scenarios state their devices, so a seed
 gives the same figures on any machine.
 """
@@ -198,6 +199,7 @@ def run_strategy(
     cap: int,
     oracle_goodput: float,
     trace: list[dict] | None = None,
+    larger_batch_within: float = 0.0,
 ) -> tuple[int, bool]:
     """Trials until the incumbent is truly feasible and within 5% of the oracle (a tuner's
     trials are appended to ``trace`` when given: bench/search_trace.py)."""
@@ -221,8 +223,11 @@ def run_strategy(
             if good(best[1] if best else None):
                 return i, True
         return cap + 1, False
+    ours = strategy in ("slotune", "gp-unseeded")
     rule = StopRule(
-        max_trials=10_000, confirmations=2 if strategy in ("slotune", "gp-unseeded") else 1
+        max_trials=10_000,
+        confirmations=2 if ours else 1,
+        larger_batch_within=larger_batch_within if ours else 0.0,
     )
     tuner = Tuner(
         space=t.space,
@@ -248,7 +253,9 @@ def run_strategy(
     return cap + 1, False
 
 
-def run_scenario(name: str, seeds: int, cap: int, replicates: int) -> dict:
+def run_scenario(
+    name: str, seeds: int, cap: int, replicates: int, larger_batch_within: float = 0.0
+) -> dict:
     """Every strategy on one scenario (a process of its own with --jobs)."""
     torch.set_num_threads(1)  # GPSampler's small fits: threads only spin on shared cores
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -270,7 +277,9 @@ def run_scenario(name: str, seeds: int, cap: int, replicates: int) -> dict:
         trials = []
         reached = 0
         for seed in range(seeds):
-            n, hit = run_strategy(bench, strat, seed, scap, og)
+            n, hit = run_strategy(
+                bench, strat, seed, scap, og, larger_batch_within=larger_batch_within
+            )
             trials.append(n)
             reached += hit
         arr = np.asarray(trials, dtype=float)
@@ -324,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicates", type=int, default=4)
     ap.add_argument("--cap", type=int, default=30, help="trial cap for the samplers")
     ap.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel processes")
+    ap.add_argument(
+        "--larger-batch-within",
+        type=float,
+        default=0.0,
+        help="slotune's StopRule.larger_batch_within (0: deploy the best pooled goodput)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # GPSampler's small fits: threads only spin on 2 shared cores
@@ -336,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     replicates = 2 if args.quick else args.replicates
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(names)))
-    work = [(n, seeds, cap, replicates) for n in names]
+    work = [(n, seeds, cap, replicates, args.larger_batch_within) for n in names]
     if jobs == 1:
         results = [run_scenario(*w) for w in work]
     else:
@@ -373,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "cap": cap,
         "replicates": replicates,
         "jobs": jobs,
+        "larger_batch_within": args.larger_batch_within,
         "worst_median_trials": max(r["strategies"]["slotune"]["median"] for r in out.values()),
         "min_ratio_vs_tpe": min(r["ratio_vs_tpe"] for r in out.values()),
         "min_ratio_vs_grid": min(r["ratio_vs_grid"] for r in out.values()),

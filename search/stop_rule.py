@@ -86,6 +86,11 @@ class StopRule:
     min_improvement: float = 0.02
     bracket_ratio: float = 1.15
     max_trials: int = 40
+    # 0: the incumbent is the declared point with the best pooled goodput. > 0: among the
+    # declared points within this fraction of that goodput, the largest batch (under a
+    # saturating load a larger feasible batch has at least the goodput, and a few windows'
+    # goodput is noisier than the gap). Off by default: see incumbent().
+    larger_batch_within: float = 0.0
 
     def __post_init__(self) -> None:
         if self.confirmations < 1:
@@ -98,6 +103,8 @@ class StopRule:
             raise ValueError(f"bracket_ratio={self.bracket_ratio!r}: must be a number > 1")
         if self.max_trials < 1:
             raise ValueError(f"max_trials={self.max_trials!r}: must be >= 1")
+        if not 0 <= self.larger_batch_within < 1:
+            raise ValueError(f"larger_batch_within={self.larger_batch_within!r}: must be in [0, 1)")
 
     @classmethod
     def preset(cls, name: str) -> StopRule:
@@ -111,20 +118,30 @@ class StopRule:
         return presets[name]
 
 
-def incumbent(points: Sequence[PointSummary], *, confirmations: int = 1) -> PointSummary | None:
+def incumbent(
+    points: Sequence[PointSummary], *, confirmations: int = 1, larger_batch_within: float = 0.0
+) -> PointSummary | None:
     """The point with the highest pooled goodput among those declared with ``confirmations``
-    (see :meth:`PointSummary.declared`; ties: the earliest measured)."""
+    (see :meth:`PointSummary.declared`; ties: the earliest measured). With
+    ``larger_batch_within`` > 0: the largest batch among the declared points whose pooled
+    goodput is within that fraction of the highest (ties: goodput, then earliest)."""
     cands = [p for p in points if p.feasible and p.declared(confirmations)]
     if not cands:
         return None
-    return max(cands, key=lambda p: (p.goodput_rps, -p.first_trial))
+    best = max(cands, key=lambda p: (p.goodput_rps, -p.first_trial))
+    if larger_batch_within <= 0:
+        return best
+    near = [p for p in cands if p.goodput_rps >= (1 - larger_batch_within) * best.goodput_rps]
+    return max(near, key=lambda p: (p.knobs.max_batch_size, p.goodput_rps, -p.first_trial))
 
 
 def stop_reason(points: Sequence[PointSummary], n_trials: int, rule: StopRule) -> str | None:
     """Why the search may stop now, or None to continue (see the module doc)."""
     if n_trials >= rule.max_trials:
         return f"max_trials={rule.max_trials} reached"
-    best = incumbent(points, confirmations=rule.confirmations)
+    best = incumbent(
+        points, confirmations=rule.confirmations, larger_batch_within=rule.larger_batch_within
+    )
     if best is None:
         return None
     b = best.knobs.max_batch_size

@@ -201,7 +201,9 @@ class Tuner:
         # load), or there is no guidance. Otherwise guidance goes on and the
         # re-measurement waits until it is over.
         rule = self.stop_rule
-        declared = incumbent(points, confirmations=rule.confirmations)
+        declared = incumbent(
+            points, confirmations=rule.confirmations, larger_batch_within=rule.larger_batch_within
+        )
         best = open_best(points, confirmations=rule.confirmations)
         if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
             top = ceiling(points, best)
@@ -317,9 +319,12 @@ class Tuner:
     def best(self, *, confirmed: bool = True) -> tuple[Knobs, PointSummary] | None:
         """The incumbent: the knob with the best pooled goodput among those declared
         (``stop_rule.confirmations`` windows whose pooled verdicts are MET, see
-        :meth:`PointSummary.declared`); with ``confirmed=False``, one window suffices."""
+        :meth:`PointSummary.declared`); with ``confirmed=False``, one window suffices.
+        ``stop_rule.larger_batch_within`` > 0 prefers the largest batch within that
+        fraction of the best goodput (:func:`search.stop_rule.incumbent`)."""
         need = self.stop_rule.confirmations if confirmed else 1
-        p = incumbent(self.points(), confirmations=need)
+        within = self.stop_rule.larger_batch_within
+        p = incumbent(self.points(), confirmations=need, larger_batch_within=within)
         return (p.knobs, p) if p is not None else None
 
     def stop_reason(self) -> str | None:

@@ -166,6 +166,53 @@ def test_incumbent_needs_confirmations_and_feasibility() -> None:
     assert incumbent(pts, confirmations=2).knobs.max_batch_size == 8
 
 
+def test_incumbent_may_prefer_the_larger_batch_within_a_goodput_band() -> None:
+    # Declared: B=31 at 29.5 rps, B=34 at 29.0 (noise: a larger feasible batch under a
+    # saturating load has at least the goodput), B=20 at 22.0 (far below), B=40 undeclared.
+    pts = [
+        p(31, g=29.5, first=0),
+        p(34, g=29.0, first=2),
+        p(20, g=22.0, first=4),
+        p(40, g=31.0, n=1, first=6),
+    ]
+    assert incumbent(pts, confirmations=2).knobs.max_batch_size == 31  # default: best goodput
+    assert incumbent(pts, confirmations=2, larger_batch_within=0.05).knobs.max_batch_size == 34
+    # Outside the band the best goodput still wins: 34 is 1.7% under 31, not within 1%.
+    assert incumbent(pts, confirmations=2, larger_batch_within=0.01).knobs.max_batch_size == 31
+    assert incumbent(pts[2:], confirmations=2, larger_batch_within=0.05).knobs.max_batch_size == 20
+    with pytest.raises(ValueError, match="larger_batch_within=1"):
+        StopRule(larger_batch_within=1)
+
+    # The tuner's best() follows its stop rule: B=20 measured at 5.0 rps, B=22 at 4.9.
+    def window(goodput: float) -> Observation:
+        met = SloVerdict(
+            verdict=Verdict.MET, threshold_s=1.0, estimate_s=0.5, samples=1000, confidence=0.95
+        )
+        n = round(goodput * 60)
+        return Observation(
+            start_s=0.0,
+            end_s=60.0,
+            completed=n,
+            slo_met=n,
+            ttft=Percentiles(p99=0.5),
+            tpot=Percentiles(p99=0.04),
+            ttft_verdict=met,
+            tpot_verdict=met,
+        )
+
+    def declared_best(rule: StopRule) -> Knobs | None:
+        tuner = make(name=f"lbw{rule.larger_batch_within}", stop_rule=rule)
+        for b, g in ((20, 5.0), (22, 4.9), (20, 5.0), (22, 4.9)):
+            tuner.report(Knobs(max_batch_size=b, max_concurrency=b), window(g))
+        best = tuner.best()
+        return best[0] if best is not None else None
+
+    assert declared_best(StopRule()) == Knobs(max_batch_size=20, max_concurrency=20)
+    assert declared_best(StopRule(larger_batch_within=0.05)) == Knobs(
+        max_batch_size=22, max_concurrency=22
+    )
+
+
 def test_stop_rule_presets_and_validation() -> None:
     assert StopRule.preset("thorough").confirmations == 3
     with pytest.raises(ValueError, match="'nope'"):
