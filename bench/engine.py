@@ -93,6 +93,22 @@ def time_step(
     return min(times), statistics.median(times)
 
 
+def predicted_parts(r: Roofline, batch: int) -> dict[str, float]:
+    """The calibrated prediction of one decode step split as search/roofline.py adds it up
+    (tp=1): ms in the layers' linears, attention, the per-layer overhead (all layers), the
+    lm_head, and the step outside the layers beyond the lm_head."""
+    m, prof = r.model, r.hardware.decode[r.dtype]
+    head = m.embedding_params * r.bytes_per_elem
+    kv = batch * r.context * r.kv_bytes_per_token_per_device
+    return {
+        "linears_ms": (r.weight_bytes_read_per_device - head) / prof.weight_rate_at(batch) * 1e3,
+        "attention_ms": kv / prof.kv_rate_at(batch) * 1e3,
+        "layer_overhead_ms": prof.layer_overhead_at(batch) * m.layers * 1e3,
+        "lm_head_ms": head / prof.weight_rate_at(batch) * 1e3,
+        "step_overhead_ms": prof.step_overhead_at(batch) * 1e3,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", choices=("tiny", "small"))
@@ -153,6 +169,7 @@ def main() -> None:
                 "bound": ideal.bound_at(b),
                 "predicted_ms": pred * 1e3,
                 "prediction_error": (pred - measured) / measured,
+                "predicted_parts": predicted_parts(calibrated, b) if calibrated.calibrated else {},
             }
         )
 
