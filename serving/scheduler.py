@@ -37,12 +37,13 @@ cost is ``StepPlan.prefill_tokens``.
 
 Cost: a step is O(1) in the decode batch. The scheduler keeps the decoding set
 with running sums (its size, its KV tokens), finds the requests that reach
-``max_tokens`` in a heap keyed by the step they do so, and the plan's decode
-entries and prefill chunks are built only when ``plan.decode`` or ``plan.prefill``
-is read (serving/step_plan.py, serving/seq_state.py). Work is per prefill chunk,
-per admission, per finish and per token handed to ``update`` (the engine hands one
-per sequence; the simulator none), so the simulator runs a batch of hundreds at
-the cost of a handful.
+``max_tokens`` in a heap keyed by the step they do so, hands plans a view of the
+decoding set rather than a copy, and builds a plan's decode entries and prefill
+chunks only when ``plan.decode`` or ``plan.prefill`` is read (serving/step_plan.py,
+serving/seq_state.py; the state between steps is in serving/sched_state.py). Work
+is per prefill chunk, per admission, per finish and per token handed to ``update``
+(the engine hands one per sequence; the simulator none), so the simulator runs a
+batch of hundreds at the cost of a handful.
 
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /
