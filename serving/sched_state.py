@@ -16,7 +16,14 @@ import logging
 from collections import deque
 
 from serving.seq_state import Seq
-from serving.step_plan import Finished, SchedulerConfig, SeqRequest, _is_int, new_finished
+from serving.step_plan import (
+    Finished,
+    SchedulerConfig,
+    SeqRequest,
+    _is_int,
+    new_finished,
+    new_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,24 @@ class SchedulerState:
         self._waiting_ids.add(rid)
         if req.arrival_s > self._clock:
             self._clock = req.arrival_s
+
+    def add_new(self, request_id: str, prompt_len: int, max_tokens: int, arrival_s: float) -> None:
+        """``add(SeqRequest(...))`` of a request with no prompt ids and no stop ids, in one
+        call (the simulator adds thousands a window): the same checks and errors."""
+        if not (
+            type(prompt_len) is int
+            and type(max_tokens) is int
+            and prompt_len >= 1
+            and max_tokens >= 1
+            and prompt_len + max_tokens <= self._max_len
+        ):
+            self.validate(prompt_len, max_tokens)
+        if request_id in self._running or request_id in self._waiting_ids:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        self._waiting.append(new_request(request_id, prompt_len, max_tokens, arrival_s))
+        self._waiting_ids.add(request_id)
+        if arrival_s > self._clock:
+            self._clock = arrival_s
 
     def abort(self, request_id: str) -> bool:
         """Drop a request, waiting or running; its slot is free at once."""

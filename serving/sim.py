@@ -47,7 +47,6 @@ import numpy as np
 from metrics.observation import Observation, Percentiles, Slo
 from metrics.samples import exact_quantile, verdict_from_samples
 from serving.scheduler import RequestTiming, Scheduler, SchedulerConfig, StepPlan
-from serving.step_plan import new_request
 from serving.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -289,7 +288,7 @@ def _simulate(
     queue_limit = cfg.queue_limit
     warmup_s = cfg.warmup_s
     max_steps = cfg.max_steps
-    add = sched.add
+    add = sched.add_new
     schedule = sched.schedule
     update = sched.update
     decode_run = sched.decode_run
@@ -312,7 +311,7 @@ def _simulate(
     while t < end_s:
         if arr[i] <= t:
             while arr[i] <= t and in_flight < limit:
-                add(new_request(str(i), plen(i), olen(i), arr[i]))
+                add(str(i), plen(i), olen(i), arr[i])
                 in_flight += 1
                 i += 1
             if arr[i] <= t:  # full: queue or turn away every arrival up to t
@@ -373,7 +372,7 @@ def _simulate(
                     keep(f.timing)
             while queue and in_flight < limit:
                 j = queue.popleft()
-                add(new_request(str(j), plen(j), olen(j), arr[j]))
+                add(str(j), plen(j), olen(j), arr[j])
                 in_flight += 1
     obs = observation_from_timings(
         timings,

@@ -435,3 +435,19 @@ def test_add_checks_int_subclasses_the_long_way() -> None:
     with pytest.raises(ValueError, match="max_tokens=True"):
         s.add(req("a", max_tokens=True))
     assert not s.has_work
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "needle"),
+    [(0, 3, "empty"), (4, 0, "max_tokens=0"), (4, 2.0, "max_tokens=2.0"), (60, 5, "exceeds")],
+)
+def test_add_new_checks_as_add_does(prompt_len, max_tokens, needle) -> None:
+    s = make()
+    with pytest.raises(ValueError, match=needle):
+        s.add_new("a", prompt_len, max_tokens, 0.0)
+    s.add_new("a", 4, 3, 0.0)
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_new("a", 4, 3, 0.0)
+    twin = make()
+    twin.add(req("a", prompt_len=4, max_tokens=3))
+    assert [run_step(s, 0.0)[1] for _ in range(4)] == [run_step(twin, 0.0)[1] for _ in range(4)]
