@@ -5,9 +5,10 @@ slots 0..B-1, each at position ``context - 1`` (so it reads ``context`` cached
 tokens; the cache is filled with random values first: an untouched cache reads
 as shared zero pages and hides its traffic). Reported per batch:
 
-- measured step time: the best of the timed reps after warm-up, as the
-  calibration takes its figures (on cores shared with other work the best rep
-  is the uncontended one); the median is printed beside it; tokens/s;
+- measured step time: the best of the timed reps after warm-up, over
+  ``--passes`` passes across all batches spread in time, as the calibration
+  takes its figures (on cores shared with other work, or a VM whose speed drifts,
+  the best rep is the uncontended one); the median is printed beside it; tokens/s;
 - the ideal roofline of the calibrated device, max(bytes / measured bandwidth,
   FLOPs / measured matmul peak), bytes = weights + B * context * KV bytes per
   token; ``fraction`` = roofline / measured (1.0 would be perfect);
@@ -66,10 +67,8 @@ def spec_for(cfg: ModelConfig) -> ModelSpec:
     return spec
 
 
-def time_step(
-    eng: Engine, batch: int, context: int, reps: int, budget_s: float
-) -> tuple[float, float]:
-    """(best, median) seconds of one decode step after warm-up."""
+def time_step(eng: Engine, batch: int, context: int, reps: int, budget_s: float) -> list[float]:
+    """Seconds of each timed decode step after warm-up."""
     gen = torch.Generator().manual_seed(batch)
     toks = torch.randint(0, eng.config.vocab_size, (batch,), generator=gen).tolist()
     plan = StepPlan(
@@ -90,7 +89,7 @@ def time_step(
         eng.execute(plan, temps)
         sync()
         times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
+    return times
 
 
 def predicted_parts(r: Roofline, batch: int) -> dict[str, float]:
@@ -117,6 +116,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=1.0, help="extra timing time per batch")
+    ap.add_argument(
+        "--passes", type=int, default=3, help="passes over all batches (the budget is split)"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads"
@@ -124,6 +126,8 @@ def main() -> None:
     ap.add_argument("--plan", default="full", choices=tuple(PLANS), help="calibration plan")
     ap.add_argument("--hardware", default=None, help="a calibrated HardwareSpec JSON to use")
     args = ap.parse_args()
+    if args.passes < 1 or args.reps < 1:
+        raise SystemExit(f"--passes={args.passes}, --reps={args.reps}: must be >= 1")
     batches = [int(b) for b in args.batches.split(",")]
     cfg = ModelConfig.from_name(args.model, dtype=args.dtype)
     dt = SHORT_DTYPE[args.dtype]
@@ -153,9 +157,18 @@ def main() -> None:
     ideal = Roofline(model=spec, hardware=hw.without_calibration(), dtype=dt, context=args.context)
     calibrated = Roofline(model=spec, hardware=hw, dtype=dt, context=args.context)
 
+    # Passes over all batches, spread in time like the calibration's passes, each
+    # batch's best kept: a slow spell of the machine (other work, the VM's
+    # neighbours) then spoils one pass of a batch, not the batch, and measured and
+    # predicted times are the same statistic (the device's uncontended speed).
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    per_pass = -(-args.reps // args.passes)  # at least --reps in all
+    for _ in range(args.passes):
+        for b in batches:
+            times[b] += time_step(eng, b, args.context, per_pass, args.budget_s / args.passes)
     rows = []
     for b in batches:
-        measured, median = time_step(eng, b, args.context, args.reps, args.budget_s)
+        measured, median = min(times[b]), statistics.median(times[b])
         roof = ideal.step_time_s(b)
         pred = calibrated.step_time_s(b) if calibrated.calibrated else float("nan")
         rows.append(
@@ -203,6 +216,7 @@ def main() -> None:
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "load_avg_1m": os.getloadavg()[0],
                 "context": args.context,
+                "passes": args.passes,
                 "roofline_fraction_batch1": rows[0]["roofline_fraction"],
                 "roofline_fraction_max_batch": rows[-1]["roofline_fraction"],
                 "max_prediction_error": max(errors),
