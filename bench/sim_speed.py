@@ -54,6 +54,7 @@ REF_MODULES = (
     "workload",
     "step_plan",
     "seq_state",
+    "sim_observation",
 )  # serving/<name>.py
 REF_CONTROLLER = "sim_decode_run"  # controller/<name>.py, when the reference has it
 
