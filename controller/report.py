@@ -133,7 +133,10 @@ class CurveReport:
             "usd_per_million_tokens": usd_per_million_tokens(self.usd_per_hour, c.tokens_per_s),
             # what each $1/h of device price costs per million tokens (scale by your price)
             "usd_per_million_tokens_per_usd_hour": usd_per_million_tokens(1.0, c.tokens_per_s),
-            "verdict": c.verdict,
+            # the verdict the point was chosen on: every window of these knobs pooled (a
+            # latest window too short for a p99 of its own lends its requests to the rest)
+            "verdict": (p.pooled.value if p.pooled is not None else "met"),
+            "latest_window_verdict": c.verdict,
             "trial": c.number,
             "ttft_samples": c.ttft_samples,
             "tpot_samples": c.tpot_samples,

@@ -345,6 +345,8 @@ def test_the_report_chooses_exactly_what_the_tuner_declares(tmp_path: Path) -> N
     assert c.number == records[2].number  # its latest measurement
     op = r.operating_point()
     assert op["confirmed"] is True and op["measurements"] == 2 and op["met_windows"] == 0
+    # Its verdict is the pooled one it was chosen on, not its latest window's alone.
+    assert op["verdict"] == "met" and op["latest_window_verdict"] == "insufficient"
     # The same answer from the exported JSON (what `slotune export` reads back).
     back = CurveReport.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back.chosen == c
