@@ -38,12 +38,15 @@ def cache_paths(calib: Any, dev: Any, threads: int) -> list[Path]:
     return [base.with_name(f"{base.stem}-{threads}t{base.suffix}"), base]
 
 
-def cached_threads(path: Path) -> int | None:
-    """The thread count a cached calibration was measured with (its ``measured`` block)."""
+def cached_threads(path: Path, version: int | None = None) -> int | None:
+    """The thread count a cached calibration was measured with (its ``measured`` block);
+    None when unreadable or, with ``version``, written by another calibration method."""
     import json
 
     try:
         measured = json.loads(path.read_text()).get("measured") or {}
+        if version is not None and measured.get("version") != version:
+            return None
         return int(measured["threads"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -79,8 +82,9 @@ def hardware_spec(device: str, *, quiet: bool, threads: int | None = None) -> tu
         raise ValueError(f"threads={threads!r}: must be >= 1")
     paths = cache_paths(calib, dev, threads)
     for path in paths:
-        got = cached_threads(path) if path.exists() else None
-        if got == threads or (path.exists() and dev.type == "cuda"):
+        # a cache of an older calibration method is measured again, not reused
+        got = cached_threads(path, getattr(calib, "CALIBRATION_VERSION", None))
+        if got == threads or (got is not None and dev.type == "cuda"):
             return HardwareSpec.from_json(path), f"calibration at {threads} thread(s), {path}"
     path = paths[0]
     if not quiet:

@@ -53,6 +53,10 @@ from search.models import ModelSpec
 
 logger = logging.getLogger(__name__)
 
+# A cache written by another way of measuring is not reused (bump on any change to what
+# the figures mean). 2: the engine's own layers and step, each batch's best pass.
+CALIBRATION_VERSION = 2
+
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
@@ -315,6 +319,7 @@ def _calibrate(
         ),
     )
     measured = {
+        "version": CALIBRATION_VERSION,
         "device": label,
         "threads": threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),

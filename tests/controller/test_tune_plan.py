@@ -58,7 +58,9 @@ def test_cost_sentence_with_a_price_states_it_and_its_source() -> None:
 
 class FakeCal:
     def __init__(self, threads: int, elapsed: float = 1.0) -> None:
-        self.measured = {"threads": threads}
+        from search.calibrate import CALIBRATION_VERSION
+
+        self.measured = {"threads": threads, "version": CALIBRATION_VERSION}
         self.elapsed_s = elapsed
         self.spec = types.SimpleNamespace(
             to_json=lambda path, extra: Path(path).write_text(
@@ -115,17 +117,21 @@ def test_a_cached_calibration_at_other_threads_is_not_used(tmp_path: Path, monke
         "from_json",
         classmethod(lambda cls, p: json.loads(Path(p).read_text())["name"]),
     )
-    # last session's cache: measured at 2 threads under the plain name
-    (tmp_path / "hardware-host-cpu.json").write_text(
-        json.dumps({"name": "cal-2t", "measured": {"threads": 2}})
-    )
+    version = search.calibrate.CALIBRATION_VERSION
+    cache = tmp_path / "hardware-host-cpu.json"
+    # a cache of an older calibration method, at the same threads: measured again
+    cache.write_text(json.dumps({"name": "old-2t", "measured": {"threads": 2}}))
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=2)
-    assert spec == "cal-2t" and calib.calls == []  # the same threads: the cache is used
+    assert calib.calls == [2] and "calibrated now" in note
+    # last session's cache: measured at 2 threads under the plain name
+    cache.write_text(json.dumps({"name": "cal-2t", "measured": {"threads": 2, "version": version}}))
+    spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=2)
+    assert spec == "cal-2t" and calib.calls == [2]  # the same threads: the cache is used
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
-    assert calib.calls == [1] and "calibrated now at 1 thread" in note
+    assert calib.calls == [2, 1] and "calibrated now at 1 thread" in note
     assert (tmp_path / "hardware-host-cpu-1t.json").exists()
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
-    assert spec == "cal-1t" and calib.calls == [1]  # cached now, not measured again
+    assert spec == "cal-1t" and calib.calls == [2, 1]  # cached now, not measured again
 
 
 def test_the_cache_of_search_calibrate_is_named_by_thread_count() -> None:
