@@ -19,6 +19,7 @@ import typer
 
 from controller.errors import BadInput
 from metrics.observation import Slo
+from serving.server_config import DEFAULT_STREAM_EVENTS_PER_S, DEFAULT_STREAM_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,12 @@ def serve(
     max_len: int = typer.Option(512, help="Context per request (prompt + output tokens)."),
     app_name: str = typer.Option("slotune", help="Serve application name."),
     stream_interval: float = typer.Option(
-        0.02, help="Send streamed text at most this often per request, seconds (0: every token)."
+        DEFAULT_STREAM_INTERVAL_S,
+        help="Stream a request's text at least this often, seconds (0: every token).",
+    ),
+    stream_events_per_s: float = typer.Option(
+        DEFAULT_STREAM_EVENTS_PER_S,
+        help="Streamed events per second the replica aims at over all requests (0: no budget).",
     ),
     run_for: float = typer.Option(
         0.0, "--for", help="Serve this many seconds, then exit (0: until Ctrl-C)."
@@ -107,6 +113,7 @@ def serve(
             max_len=max_len,
             torch_threads=torch_threads,
             stream_interval_s=stream_interval,
+            stream_events_per_s=stream_events_per_s,
         )
         slo = Slo(
             ttft_p99_s=_slo_s("ttft", slo_ttft_ms, ttft_slo, DEFAULT_TTFT_MS, deprecated),
@@ -144,6 +151,7 @@ def serve(
             max_len=max_len,
             torch_threads=torch_threads,
             stream_interval_s=stream_interval,
+            stream_events_per_s=stream_events_per_s,
             name=app_name,
         )
         url = f"http://{LOOPBACK}:{port}"

@@ -83,6 +83,9 @@ def test_replica_env_reaches_every_config_and_the_callers_env_wins() -> None:
     assert again["runtime_env"] == app_config(**base)["runtime_env"]
     raw = yaml.safe_load((ROOT / "deploy/serve-config.yaml").read_text())
     assert raw["applications"][0]["runtime_env"]["env_vars"] == REPLICA_ENV_VARS
+    kuberay = yaml.safe_load((ROOT / "deploy/kuberay/rayservice.yaml").read_text())
+    inner = yaml.safe_load(kuberay["spec"]["serveConfigV2"])
+    assert inner["applications"][0]["runtime_env"]["env_vars"] == REPLICA_ENV_VARS
 
 
 @pytest.mark.parametrize(
