@@ -69,3 +69,19 @@ def test_serve_help_shows_only_the_ms_flags(capsys) -> None:
     out = capsys.readouterr().out
     assert "--slo-ttft-ms" in out and "--slo-tpot-ms" in out
     assert "--ttft-slo" not in out and "--tpot-slo" not in out
+
+
+def test_streaming_pace_defaults_to_the_replicas_and_flags_reach_the_app(
+    capsys, monkeypatch
+) -> None:
+    from serving.server_config import ServerArgs
+
+    code, err, seen = _serve([], capsys, monkeypatch)
+    assert code == 0, err
+    d = ServerArgs()
+    assert seen["deploy"]["stream_interval_s"] == d.stream_interval_s
+    assert seen["deploy"]["stream_events_per_s"] == d.stream_events_per_s
+    argv = ["--stream-interval", "0", "--stream-events-per-s", "40"]
+    code, err, seen = _serve(argv, capsys, monkeypatch)
+    assert code == 0, err
+    assert (seen["deploy"]["stream_interval_s"], seen["deploy"]["stream_events_per_s"]) == (0, 40)
