@@ -43,6 +43,12 @@ def test_quick_bench_prints_a_table_then_one_json_line(
     # Fewer trials than every baseline (the bounds of a censored baseline included).
     for name in ("gp-unseeded", "tpe", "random", "grid", "grid-band"):
         assert st[name]["median"] > st["slotune"]["median"], name
+    # The same runs scored by the baselines' incumbent (one feasible window) are done no
+    # later than by the declared one, and the like-for-like ratio is stated beside.
+    one = st["slotune-1w"]
+    assert one["runs"] == 3 and one["median"] <= st["slotune"]["median"]
+    assert sc["ratio_vs_grid_as_scored_alike"] >= sc["ratio_vs_grid"]
+    assert "min_ratio_vs_grid_as_scored_alike" in out
     # The headline grid is the whole power-of-two cross product (concurrency >= batch).
     assert st["grid"]["cap"] > st["grid-band"]["cap"]
 
