@@ -20,12 +20,10 @@ running replica reports the new version, so "returned" means "applied".
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from metrics import names
@@ -33,17 +31,30 @@ from metrics.observation import Slo
 from serving.app import (
     DEFAULT_STREAM_INTERVAL_S,
     DEPLOYMENT_NAME,
-    KV_NAMESPACE,
     LiveConfig,
     ServerArgs,
 )
+from serving.replicas import POLL_S, DeployError, ReplicaState, wait_applied
+from serving.replicas import replica_pids as _replica_pids
+from serving.replicas import replica_states as _replica_states
 from serving.server_config import DEFAULT_STREAM_EVENTS_PER_S, REPLICA_ENV_VARS
+
+__all__ = [
+    "DeployError",
+    "ReplicaState",
+    "app_config",
+    "delete_app",
+    "deploy_app",
+    "replica_pids",
+    "replica_states",
+    "start_local_ray",
+    "update_knobs",
+]
 
 logger = logging.getLogger(__name__)
 
 IMPORT_PATH = "serving.app:app"
 DEFAULT_APP_NAME = "slotune"
-POLL_S = 0.1
 
 
 # Process environment for a Ray driver on a small machine (shared/FIELD-NOTES.md);
@@ -107,22 +118,6 @@ def start_local_ray(
     except BaseException:
         ray.shutdown()
         raise
-
-
-class DeployError(RuntimeError):
-    """The application failed to deploy or to apply an update; the message says why."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaState:
-    """One running replica as it reports itself (pid and the knobs it applied)."""
-
-    replica_id: str
-    pid: int
-    max_batch_size: int
-    max_ongoing_requests: int
-    version: str
-    live: dict[str, Any]
 
 
 def _client() -> Any:
@@ -271,7 +266,7 @@ def deploy_app(
     client = _client()
     _apply(client, name, cfg)
     logger.info("deploying app %r: %s", name, cfg)
-    _wait_applied(client, name, live.version, num_replicas, timeout_s)
+    wait_applied(client, name, live.version, num_replicas, timeout_s)
 
 
 def update_knobs(
@@ -322,7 +317,7 @@ def update_knobs(
         runtime_env=cfg.get("runtime_env"),
     )
     _apply(client, app_name, new)
-    _wait_applied(client, app_name, live.version, new["deployments"][0]["num_replicas"], timeout_s)
+    wait_applied(client, app_name, live.version, new["deployments"][0]["num_replicas"], timeout_s)
 
 
 def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None:
@@ -342,70 +337,11 @@ def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None
         time.sleep(POLL_S)
 
 
-def _enum_value(v: Any) -> str:
-    """Serve's details hold str enums (``ApplicationStatus.RUNNING``); compare their values."""
-    return str(getattr(v, "value", v))
-
-
-def _running_replicas(client: Any, app_name: str) -> tuple[str, str, list[dict[str, Any]]]:
-    details = client.get_serve_details()
-    app = details.get("applications", {}).get(app_name)
-    if app is None:
-        return "NOT_STARTED", "", []
-    dep = app.get("deployments", {}).get(DEPLOYMENT_NAME, {})
-    replicas = [r for r in dep.get("replicas", []) if _enum_value(r.get("state")) == "RUNNING"]
-    return _enum_value(app.get("status")), str(app.get("message", "")), replicas
-
-
-def _read_state(app_name: str, replica_id: str) -> dict[str, Any] | None:
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(f"{app_name}/{replica_id}", namespace=KV_NAMESPACE)
-    return None if raw is None else json.loads(raw)
-
-
 def replica_states(app_name: str = DEFAULT_APP_NAME) -> list[ReplicaState]:
     """The running replicas of the app, each as it last reported itself."""
-    _, _, replicas = _running_replicas(_client(), app_name)
-    out = []
-    for r in replicas:
-        st = _read_state(app_name, r["replica_id"])
-        if st is None:
-            continue
-        out.append(
-            ReplicaState(
-                replica_id=r["replica_id"],
-                pid=int(st["pid"]),
-                max_batch_size=int(st["live"]["max_batch_size"]),
-                max_ongoing_requests=int(st["max_ongoing_requests"]),
-                version=str(st["live"].get("version", "")),
-                live=st["live"],
-            )
-        )
-    return out
+    return _replica_states(_client(), app_name)
 
 
 def replica_pids(app_name: str = DEFAULT_APP_NAME) -> list[int]:
     """Process ids of the app's running replicas (as Serve's controller reports them)."""
-    _, _, replicas = _running_replicas(_client(), app_name)
-    return sorted(int(r["pid"]) for r in replicas if r.get("pid") is not None)
-
-
-def _wait_applied(
-    client: Any, app_name: str, version: str, num_replicas: int, timeout_s: float
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    status, message = "NOT_STARTED", ""
-    while time.monotonic() < deadline:
-        status, message, replicas = _running_replicas(client, app_name)
-        if status == "DEPLOY_FAILED":
-            raise DeployError(f"app {app_name!r} failed to deploy: {message}")
-        if status == "RUNNING" and len(replicas) == num_replicas:
-            states = [_read_state(app_name, r["replica_id"]) for r in replicas]
-            if all(s is not None and s["live"].get("version") == version for s in states):
-                return
-        time.sleep(POLL_S)
-    raise DeployError(
-        f"app {app_name!r}: config version {version} not applied on {num_replicas} "
-        f"replica(s) within {timeout_s} s (status {status}: {message or 'no message'})"
-    )
+    return _replica_pids(_client(), app_name)
