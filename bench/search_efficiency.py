@@ -1,6 +1,6 @@
 """How many trials each search strategy needs to find the operating point.
 
-For every scenario (controller/sim_target.py) and seed, each strategy proposes
+For every scenario (controller/sim_scenarios.py) and seed, each strategy proposes
 knobs, one simulated window is measured per trial (noisy, with the SLO
 verdicts a real deployment gives), and we count the trials until the strategy's
 *incumbent* (what it would deploy: its best feasible point by the noisy

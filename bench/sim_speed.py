@@ -1,6 +1,6 @@
 """How fast the simulator runs: simulated seconds per second, per search scenario.
 
-For every scenario of bench/search_efficiency.py (controller/sim_target.py) it runs
+For every scenario of bench/search_efficiency.py (controller/sim_scenarios.py) it runs
 the simulator at the knobs a search visits (batch 1, 2, 4, ... up to the search's
 largest, admission limit = batch, plus twice the batch at the roofline seed), with
 the scenario's true step-time function, and reports simulated seconds per second of
