@@ -80,7 +80,8 @@ def serve(
     app_name: str = typer.Option("slotune", help="Serve application name."),
     stream_interval: float = typer.Option(
         DEFAULT_STREAM_INTERVAL_S,
-        help="Stream a request's text at least this often, seconds (0: every token).",
+        help="Hold a request's streamed tokens at most this long, seconds; the first token"
+        " and the end go out at once (0: every token).",
     ),
     stream_events_per_s: float = typer.Option(
         DEFAULT_STREAM_EVENTS_PER_S,

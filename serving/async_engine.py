@@ -14,7 +14,8 @@ once, then at most one hand-over per interval, and the end at once with everythi
 still held. Held tokens cost nothing on the consumer's side (its loop is not woken),
 which is what makes a streamed item through Ray Serve affordable at a full batch:
 Ray's cost is per streamed item, not per token. A token is held less than the
-interval after the step that sampled it.
+interval after the step that sampled it, plus the rest of the step that crosses the
+interval (a long prefill step stretches that: docs/serving.md).
 
 With ``events_per_s`` (a budget for the whole engine) the interval shrinks when few
 streams are paced: each stream's interval is min(its ``flush_interval_s``, paced
@@ -167,9 +168,12 @@ class AsyncEngine:
             stream.flush_at = -math.inf
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends (without error) and its slot is freed."""
-        self._deliver([(request_id, _DONE)])
-        self._streams.pop(request_id, None)
+        """Abort a request; its stream ends (without error) and its slot is freed. Callable
+        from any thread: what the engine thread still held for it is dropped with the
+        request (``held`` is the engine thread's alone)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._hand_over({stream.loop: [(stream, [_DONE])]})
         return self.engine.abort(request_id)
 
     async def generate(

@@ -316,6 +316,14 @@ def update_knobs(
         num_replicas=dep.get("num_replicas", 1),
         runtime_env=cfg.get("runtime_env"),
     )
+    # The code version is the import path + runtime_env + args: send back exactly what
+    # is deployed (validated above), not it with today's defaults and env filled in, or
+    # an app deployed by an older slotune or a hand-written config would restart.
+    for key in ("args", "runtime_env"):
+        if key in cfg:
+            new[key] = cfg[key]
+        else:
+            new.pop(key, None)
     _apply(client, app_name, new)
     wait_applied(client, app_name, live.version, new["deployments"][0]["num_replicas"], timeout_s)
 

@@ -245,3 +245,25 @@ def test_flush_next_hands_the_next_token_over_at_once() -> None:
         loop.close()
     assert calls == [[1], [1]]
     assert eng._streams["a"].held == [3]
+
+
+def test_abort_from_the_consumers_loop_ends_the_stream_and_frees_the_slot(paced) -> None:
+    """``abort`` ends a paced stream at once (what it held is dropped with the request)
+    and the engine frees its slot; other streams are untouched."""
+    aeng, _ = paced
+
+    async def main():
+        gen = aeng.generate_chunks(
+            [1, 2, 3], max_tokens=45, request_id="gone", flush_interval_s=math.inf
+        )
+        first = await gen.__anext__()  # the first token comes at once
+        assert aeng.abort("gone") is True
+        rest = [c async for c in gen]  # ends without error
+        other = [c async for c in aeng.generate_chunks([4, 5], max_tokens=3)]
+        return first, rest, other
+
+    first, rest, other = asyncio.run(main())
+    assert len(first) == 1 and rest == []
+    assert sum(map(len, other)) == 3
+    assert aeng.abort("gone") is False  # already gone
+    assert aeng.engine.stats().running == 0

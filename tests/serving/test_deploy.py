@@ -133,6 +133,37 @@ def test_configs_name_the_bad_value(make, fragment: str) -> None:
         make()
 
 
+def test_knob_update_sends_back_the_deployed_args_and_env_verbatim(monkeypatch) -> None:
+    """The code version is import path + runtime_env + args: an app deployed without
+    today's defaults (an older slotune, a hand-written config) must not get them filled
+    in by a knob update, or its replica would restart."""
+    import serving.deploy as deploy
+
+    old_args = {"model": "tiny", "max_slots": 8}  # no stream_events_per_s, no max_len
+    deployed = {
+        "name": "old",
+        "route_prefix": "/old",
+        "import_path": IMPORT_PATH,
+        "args": dict(old_args),
+        "deployments": [
+            {"name": DEPLOYMENT_NAME, "num_replicas": 1, "user_config": {"max_batch_size": 2}}
+        ],
+    }  # and no runtime_env at all
+    sent: dict = {}
+    monkeypatch.setattr(deploy, "_client", lambda: object())
+    monkeypatch.setattr(deploy, "_declarative_apps", lambda c: {"old": deployed})
+    monkeypatch.setattr(deploy, "_apply", lambda c, name, cfg: sent.update(cfg))
+    monkeypatch.setattr(deploy, "wait_applied", lambda *a, **k: None)
+    deploy.update_knobs(max_batch_size=4, max_ongoing_requests=4, app_name="old")
+    assert sent["args"] == old_args and "runtime_env" not in sent
+    assert sent["deployments"][0]["user_config"]["max_batch_size"] == 4
+    assert sent["deployments"][0]["max_ongoing_requests"] == 4
+    # With them deployed, they go back as they are.
+    deployed["runtime_env"] = {"env_vars": {"X": "1"}}
+    deploy.update_knobs(max_batch_size=3, max_ongoing_requests=3, app_name="old")
+    assert sent["runtime_env"] == {"env_vars": {"X": "1"}} and sent["args"] == old_args
+
+
 def test_omp_wait_policy_is_set_for_the_process(monkeypatch, caplog) -> None:
     from serving.server_config import set_omp_wait_policy
 
