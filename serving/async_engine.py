@@ -104,7 +104,8 @@ class AsyncEngine:
     every request that finishes normally (aborted requests are not reported),
     before its stream ends; the timings are the engine's, not the stream's. The
     finish reason is ``length`` when ``max_tokens`` tokens came back, ``stop``
-    otherwise. ``clock`` (seconds, monotonic) paces ``flush_interval_s`` only;
+    otherwise. ``pace_clock`` (seconds, monotonic) paces ``flush_interval_s`` only (a
+    ``clock`` keyword goes to the :class:`Engine`, for its request timestamps);
     ``events_per_s`` (None: no budget) shortens the intervals of paced streams while
     few share the engine (see the module docstring).
     """
@@ -113,14 +114,14 @@ class AsyncEngine:
         self,
         engine: Engine | None = None,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        pace_clock: Callable[[], float] = time.monotonic,
         events_per_s: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if events_per_s is not None and not (0 < events_per_s < math.inf):
             raise ValueError(f"events_per_s={events_per_s!r}: must be a positive number or None")
         self.engine = engine if engine is not None else Engine(**engine_kwargs)
-        self.clock = clock
+        self.pace_clock = pace_clock
         self.events_per_s = events_per_s
         self.tokenizer = self.engine.tokenizer
         self.on_finish: Callable[[RequestTiming], None] | None = None
@@ -279,7 +280,7 @@ class AsyncEngine:
     def _deliver_step(self, tokens: dict[str, int], ended: list[str]) -> None:
         """After a step: each stream's new token, held or handed over by its interval;
         the streams in ``ended`` get everything held and ``_DONE``."""
-        now = self.clock()
+        now = self.pace_clock()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list[object]]]] = {}
         streams = self._streams
         share = math.inf  # the interval that keeps all paced streams at the budget

@@ -35,7 +35,7 @@ def step_clock():
 
 @pytest.fixture
 def paced():
-    eng = AsyncEngine(make_engine(max_slots=3, max_batch_size=3), clock=step_clock())
+    eng = AsyncEngine(make_engine(max_slots=3, max_batch_size=3), pace_clock=step_clock())
     finished = []
     eng.on_finish = finished.append
     eng.start()
@@ -160,7 +160,7 @@ def test_events_budget_lets_a_lone_stream_through() -> None:
     # Budget 100 events/s, steps 10 ms apart, the stream asks for 25 ms at most.
     # Alone: 1 stream / 100 per s = 10 ms < 25 ms: every step's token goes out.
     eng = AsyncEngine(
-        make_engine(max_slots=3, max_batch_size=3), clock=step_clock(), events_per_s=100.0
+        make_engine(max_slots=3, max_batch_size=3), pace_clock=step_clock(), events_per_s=100.0
     )
     eng.start()
     try:
@@ -191,7 +191,7 @@ def test_events_budget_must_be_positive() -> None:
 def test_events_budget_gives_a_crowd_the_full_interval() -> None:
     # The engine thread's side alone, step by step (no model, no thread): budget 100
     # events/s, every stream asks for 25 ms at most, steps 10 ms apart.
-    eng = AsyncEngine(make_engine(), clock=step_clock(), events_per_s=100.0)
+    eng = AsyncEngine(make_engine(), pace_clock=step_clock(), events_per_s=100.0)
     loop = asyncio.new_event_loop()
     calls: list[list[str]] = []
     names: dict[int, str] = {}
@@ -226,7 +226,7 @@ def test_events_budget_gives_a_crowd_the_full_interval() -> None:
 def test_flush_next_hands_the_next_token_over_at_once() -> None:
     # A consumer whose text ended inside a character asks for the next token now:
     # without flush_next the 25 ms interval would hold it for two more steps.
-    eng = AsyncEngine(make_engine(), clock=step_clock())
+    eng = AsyncEngine(make_engine(), pace_clock=step_clock())
     loop = asyncio.new_event_loop()
     calls: list[list[int]] = []
 
