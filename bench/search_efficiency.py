@@ -248,10 +248,9 @@ def run_strategy(
         seed=seed,
         stop_rule=rule,
     )
-    want_single = single is not None and ours
-    if want_single:
-        single["trials"] = cap + 1
+    track_single = single is not None and strategy == "slotune"
     found: int | None = None
+    single_at: int | None = None
     for i in range(1, cap + 1):
         k = tuner.propose()
         n = counts.get(k, 0)
@@ -260,14 +259,16 @@ def run_strategy(
         inc = tuner.best()
         if trace is not None:
             trace.append({"trial": i, "record": rec, "observation": o, "incumbent": inc})
-        if want_single and single["trials"] > cap:
-            one = tuner.best(confirmed=False)
-            if good(one[0] if one else None):
-                single["trials"] = i
         if found is None and good(inc[0] if inc else None):
             found = i
-        if found is not None and not (want_single and single["trials"] > cap):
-            return found, True
+        if track_single and single_at is None:
+            one = tuner.best(confirmed=False)
+            if good(one[0] if one else None):
+                single_at = i
+        if found is not None and (not track_single or single_at is not None):
+            break
+    if track_single and single is not None:
+        single["trials"] = single_at if single_at is not None else cap + 1
     return (found, True) if found is not None else (cap + 1, False)
 
 
