@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from search.decode_shapes import best_time, decode_attention
+from search.decode_shapes import attention_timer, best_time
 from search.decode_step import timing_model
 from search.models import ModelSpec
 from serving.model import Transformer
@@ -69,8 +69,6 @@ def _in_stream_at(
     budget_s: float,
 ) -> tuple[float, float, float]:
     """Seconds per layer (full, linears, attention) at batch ``b``."""
-    hkv, d = m.kv_heads, m.head_dim
-    g = m.heads // hkv
     dt = t.lm_head.weight.dtype
     layers = list(t.model.layers)
     n = len(layers)
@@ -92,8 +90,7 @@ def _in_stream_at(
             layer.mlp.down_proj,
         )
     ]
-    q0 = torch.randn(b * hkv, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
-    mask = torch.zeros(b * hkv, g, context, device=dev, dtype=dt)  # [B*Hkv, g, L]
+    attend = attention_timer(dev, dt, m, b, context)  # as the engine runs it here
 
     def full() -> None:  # Transformer.forward's loop over its layers
         x = x0
@@ -106,7 +103,7 @@ def _in_stream_at(
 
     def attention_only() -> None:
         for layer in layers:
-            decode_attention(q0, layer.self_attn.kv_cache.narrow(1, 0, b), mask)
+            attend(layer.self_attn.kv_cache.narrow(1, 0, b))
 
     t_full = best_time(full, dev, reps, budget_s)
     t_lin = best_time(linears_only, dev, reps, budget_s)

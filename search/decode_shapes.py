@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from search.hardware import BYTES_PER_ELEM
 from search.models import ModelSpec
+from serving import cpu_kernels
+from serving.cpu_kernels import Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,42 @@ def decode_attention(
     return torch.bmm(probs, values)  # [B*Hkv, g, D]
 
 
+def kernel_attention(
+    kernels: Kernels,
+    cache: torch.Tensor,  # [2, B, Hkv, L, D]
+    qkv: torch.Tensor,  # [B, H + 2*Hkv, D]
+    tables: torch.Tensor,  # [L, D]: stands in for the rotary cos and sin tables
+    positions: torch.Tensor,  # [B]
+    slots: torch.Tensor,  # [B]
+    n_heads: int,
+) -> torch.Tensor:
+    """The decode attention serving/model.py runs where serving/cpu_kernels.py applies
+    (CPU bf16): rotary, the cache write and attention over positions 0..pos in one
+    call. Returns [B, H*D]."""
+    d = qkv.shape[-1]
+    return kernels.decode_attention(qkv, cache, tables, tables, positions, slots, n_heads, d**-0.5)
+
+
+def attention_timer(
+    dev: torch.device, dt: torch.dtype, model: ModelSpec, batch: int, context: int
+) -> Callable[[torch.Tensor], object]:
+    """``run(cache)``: one layer's decode attention at ``batch`` x ``context`` on a cache
+    [2, batch, Hkv, context, D], as the engine runs it here (the C kernel or
+    :func:`decode_attention`), each query at position ``context - 1``."""
+    m = model
+    g, d = m.heads // m.kv_heads, m.head_dim
+    kernels = cpu_kernels.for_model(dev, dt, m.heads, m.kv_heads, d)
+    if kernels is not None:
+        qkv = torch.randn(batch, m.heads + 2 * m.kv_heads, d, device=dev).to(dt)
+        tables = filled((context, d), dev, dt)
+        pos = torch.full((batch,), context - 1, dtype=torch.long, device=dev)
+        slots = torch.arange(batch, device=dev)
+        return lambda c: kernel_attention(kernels, c, qkv, tables, pos, slots, m.heads)
+    q = torch.randn(batch * m.kv_heads, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
+    mask = torch.zeros(batch * m.kv_heads, g, context, device=dev, dtype=dt)  # [B*Hkv, g, L]
+    return lambda c: decode_attention(q, c, mask)
+
+
 def filled(shape: tuple[int, ...], dev: torch.device, dt: torch.dtype) -> torch.Tensor:
     """A tensor with every page written (untouched pages read as one shared zero page
     and hide their traffic). A constant: GEMM and softmax times do not depend on the
@@ -179,24 +217,24 @@ def measure_kv_rate(
 ) -> dict[int, float]:
     """batch -> KV-cache bytes/s decode attention reads (all layers, one query token each).
 
-    Mirrors serving/model.py's decode attention (:func:`decode_attention`) over a
+    Runs serving/model.py's decode attention as the engine does here
+    (:func:`attention_timer`: the C kernel on CPU bf16, else :func:`decode_attention`) over a
     cache ``[2, slots, kv_heads, len, head_dim]`` per layer (K, V). Only the shapes
     matter here: the values are a constant.
     """
     dt = TORCH_DTYPES[dtype]
     m = model
-    g, d = m.heads // m.kv_heads, m.head_dim
+    d = m.head_dim
     out: dict[int, float] = {}
     for b in batches:
         per_layer = 2 * b * m.kv_heads * context * d * BYTES_PER_ELEM[dtype]
         layers = _layers_within(per_layer, m.layers)
         caches = [filled((2, b, m.kv_heads, context, d), dev, dt) for _ in range(layers)]
-        q = torch.randn(b * m.kv_heads, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
-        mask = torch.zeros(b * m.kv_heads, g, context, device=dev, dtype=dt)  # [B*Hkv, g, L]
+        attend = attention_timer(dev, dt, m, b, context)
 
-        def run(caches: list = caches, q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
+        def run(caches: list = caches, attend: Callable = attend) -> None:
             for c in caches:
-                decode_attention(q, c, mask)  # [B*Hkv, g, D]
+                attend(c)
 
         nbytes = layers * per_layer
         out[b] = nbytes / best_time(run, dev, reps, budget_s)

@@ -67,7 +67,7 @@ def head_fits(model: ModelSpec, dtype: str) -> bool:
 
 def timing_model(dev: torch.device, dtype: str, model: ModelSpec, context: int) -> Transformer:
     """The serving model at ``model``'s shapes with :func:`timing_layers` layers,
-    prepacked where the engine prepacks (CPU bf16)."""
+    prepacked and with the C decode-attention kernel where the engine uses them (CPU bf16)."""
     cfg = ModelConfig(
         name=f"timing-{model.name}",
         vocab_size=model.vocab,
@@ -82,6 +82,7 @@ def timing_model(dev: torch.device, dtype: str, model: ModelSpec, context: int) 
     )
     t = Transformer.for_timing(cfg, device=dev)
     t.prepack()
+    t.use_cpu_kernels()
     return t
 
 

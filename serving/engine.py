@@ -124,6 +124,7 @@ class Engine:
         seed: int = 0,
         num_threads: int | None = None,
         prepack: bool = True,
+        cpu_kernels: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -140,6 +141,7 @@ class Engine:
         self.config = self.model.config
         self.device = torch.device(device)
         self.prepacked = self.model.prepack(prepack)
+        self.cpu_kernels = self.model.use_cpu_kernels(cpu_kernels)
         max_len = max_len or min(self.config.max_position, DEFAULT_MAX_LEN)
         self.scheduler = Scheduler(
             SchedulerConfig(

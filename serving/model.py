@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving import cpu_kernels
 from serving.config import ModelConfig
 from serving.fused_linear import FusedHF, Linear, can_prepack
 from serving.step_context import StepContext
@@ -113,6 +114,19 @@ class Attention(FusedHF):
         g = h // hkv
         # Views by view/narrow/unbind, not Python indexing (``t[..., a:b]`` costs
         # several us of CPU a call; a step makes hundreds of them).
+        if ctx.kernels is not None:  # a decode step on CPU bf16: one C call
+            qkv = self.qkv_proj.forward(x).view(b, h + 2 * hkv, d)  # [B, H+2Hkv, D]
+            out = ctx.kernels.decode_attention(
+                qkv,
+                self.kv_cache,
+                ctx.cos_table,
+                ctx.sin_table,
+                ctx.positions,
+                ctx.slots,
+                h,
+                d**-0.5,
+            )  # [B, H*D]
+            return out.view(b, 1, h * d)
         qkv = self.qkv_proj.forward(x).view(b, t, h + 2 * hkv, d)  # [B, T, H+2Hkv, D]
         apply_rope_(qkv.narrow(2, 0, h + hkv), ctx.cos, ctx.sin)  # q and k, in place
         q = qkv.narrow(2, 0, h)  # [B, T, H, D]
@@ -193,6 +207,7 @@ class Transformer(nn.Module):
         self._set_rope(min(cfg.max_position, ROPE_TABLE_DEFAULT), torch.float32)
         self.max_slots = 0
         self.max_len = 0
+        self.kernels: cpu_kernels.Kernels | None = None
 
     @classmethod
     def random(
@@ -262,6 +277,19 @@ class Transformer(nn.Module):
                     torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1) if on else None
                 )
         return on
+
+    def use_cpu_kernels(self, enable: bool = True) -> bool:
+        """Run decode-step attention with the C kernel (serving/cpu_kernels.py) where it
+        applies: CPU, bf16, a head layout it supports, and a compiler that built it.
+        Returns whether it is on; ``use_cpu_kernels(False)`` goes back to torch ops."""
+        cfg = self.config
+        w = self.lm_head.weight
+        self.kernels = (
+            cpu_kernels.for_model(w.device, w.dtype, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            if enable
+            else None
+        )
+        return self.kernels is not None
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
         """Allocate the KV cache once: per layer [2, max_slots, n_kv_heads, max_len, head_dim]."""
@@ -334,6 +362,7 @@ class Transformer(nn.Module):
             n_heads=self.config.n_heads,
             cos=self.rope_cos,
             sin_signed=self.rope_sin,
+            kernels=self.kernels,
         )
         return x, ctx
 

@@ -2,12 +2,16 @@
 
 Built once per step by ``Transformer.prologue`` (serving/model.py): the rotary
 factors of each row's positions, the cache rows the step writes (K and V of
-every KV head in one ``index_put_``), and the additive attention mask.
+every KV head in one ``index_put_``), and the additive attention mask; for a
+decode step run by the C kernel (serving/cpu_kernels.py) only the positions,
+slots and rotary tables it reads.
 """
 
 from __future__ import annotations
 
 import torch
+
+from serving.cpu_kernels import Kernels
 
 
 class StepContext:
@@ -26,10 +30,19 @@ class StepContext:
         n_heads: int,
         cos: torch.Tensor,  # [P, D] in the model dtype
         sin_signed: torch.Tensor,  # [P, D]
+        kernels: Kernels | None = None,
     ) -> None:
         b, t = positions.shape
         dev = positions.device
         self.slots, self.slot_start, self.b = slots, slot_start, b
+        # A decode step with the C kernel (serving/cpu_kernels.py): it takes the rotary
+        # tables, positions and slots as they are and needs no mask or cache rows.
+        self.kernels = kernels if (kernels is not None and slots is not None and t == 1) else None
+        if self.kernels is not None:
+            self.cos_table, self.sin_table = cos, sin_signed  # [P, D] each
+            self.positions = positions.reshape(b).contiguous()  # [B]
+            self.slots = slots.contiguous()  # [B]
+            return
         self.cos = cos[positions].unsqueeze(2)  # [B, T, 1, D]
         self.sin = sin_signed[positions].unsqueeze(2)  # [B, T, 1, D]
         if slots is not None:

@@ -1,0 +1,227 @@
+/* slotune's CPU decode kernels (bf16), built at first use by serving/cpu_kernels.py.
+ *
+ * slotune_decode_attention_bf16: one decoder layer's attention for a decode step
+ * (one query token per sequence), in one call instead of ~15 small torch ops:
+ * rotary embedding of q and k, the new K/V row written into the cache, grouped-query
+ * attention over positions 0..pos of each sequence's own slot (not the whole
+ * max_len row), softmax, the weighted sum of V. Rounding follows the torch path in
+ * serving/model.py step by step (rotary products rounded to bf16 as torch rounds
+ * them, scores and probabilities rounded to bf16 before use), so the two agree to
+ * the accumulation order.
+ *
+ * Threads: OpenMP over (sequence, KV head) pairs. The library links libgomp.so.1,
+ * the soname torch's own bundled OpenMP runtime has, so once torch is loaded both
+ * share one thread pool and one thread count (torch.set_num_threads).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float b2f(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f2b(float f) { /* round to nearest even, as torch rounds */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+int slotune_kernel_limits(int64_t *max_head_dim, int64_t *max_group) {
+    *max_head_dim = MAX_HEAD_DIM;
+    *max_group = MAX_GROUP;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return 1; /* the vector path is built */
+#else
+    return 0;
+#endif
+}
+
+/* x * cos + rotate_half(x) * sin, as torch computes it in bf16: the product
+   x * cos rounded, then addcmul (one more rounding). sin_signed has its first half
+   negated, so rotate_half(x) * sin == swap_halves(x) * sin_signed. */
+static inline void rope(const bf16 *x, const bf16 *cs, const bf16 *sn, int64_t d, bf16 *o) {
+    int64_t h = d / 2;
+    for (int64_t k = 0; k < d; k++) {
+        float swapped = b2f(x[k < h ? k + h : k - h]);
+        float a = b2f(f2b(b2f(x[k]) * b2f(cs[k])));
+        o[k] = f2b(a + swapped * b2f(sn[k]));
+    }
+}
+
+/* Softmax of sc[0..n) in place, probabilities rounded to bf16 (torch's bf16 softmax
+   output). Scalar: the vector path has its own. */
+static void softmax_scalar(float *sc, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+    for (int64_t t = 0; t < n; t++) {
+        sc[t] = expf(sc[t] - mx);
+        sum += sc[t];
+    }
+    float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; t++) sc[t] = b2f(f2b(sc[t] * inv));
+}
+
+static void attend_scalar(bf16 qr[][MAX_HEAD_DIM], const bf16 *kc, const bf16 *vc, int64_t n,
+                          int64_t g, int64_t d, float scale, float *sc, int64_t stride,
+                          float acc[][MAX_HEAD_DIM]) {
+    for (int64_t j = 0; j < g; j++) {
+        float *sj = sc + j * stride;
+        float q[MAX_HEAD_DIM];
+        for (int64_t k = 0; k < d; k++) q[k] = b2f(qr[j][k]);
+        for (int64_t t = 0; t < n; t++) {
+            const bf16 *kt = kc + t * d;
+            float s = 0.f;
+            for (int64_t k = 0; k < d; k++) s += q[k] * b2f(kt[k]);
+            sj[t] = b2f(f2b(s * scale));
+        }
+        softmax_scalar(sj, n);
+        for (int64_t k = 0; k < d; k++) acc[j][k] = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            const bf16 *vt = vc + t * d;
+            float p = sj[t];
+            for (int64_t k = 0; k < d; k++) acc[j][k] += p * b2f(vt[k]);
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define VECTOR_PATH 1
+#define VEC_MAX_GROUP 8
+
+/* exp(x) for x <= 0: 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, degree-6 polynomial
+   (relative error ~2e-7, below bf16's 4e-3 the result is rounded to). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16(const bf16 *p) { /* 16 bf16 -> 16 fp32 */
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void softmax_vec(float *sj, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sj + t));
+    float mx = _mm512_reduce_max_ps(m);
+    for (; t < n; t++) mx = sj[t] > mx ? sj[t] : mx;
+    __m512 vm = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
+    for (t = 0; t < n; t += 16) {
+        __mmask16 k = (n - t >= 16) ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + t), vm)));
+        _mm512_mask_storeu_ps(sj + t, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float inv = 1.f / _mm512_reduce_add_ps(sum);
+    for (t = 0; t < n; t++) sj[t] = b2f(f2b(sj[t] * inv));
+}
+
+/* D a multiple of 32 up to 128 (a compile-time constant at each call site), g <= 8.
+   Scores by vdpbf16ps on the bf16 q and K rows (fp32 accumulation), P.V by fp32 FMAs. */
+static inline __attribute__((always_inline)) void attend_vec(
+    bf16 qr[][MAX_HEAD_DIM], const bf16 *kc, const bf16 *vc, int64_t n, int64_t g, const int D,
+    float scale, float *sc, int64_t stride, float acc[][MAX_HEAD_DIM]) {
+    __m512bh q[VEC_MAX_GROUP][4];
+    for (int64_t j = 0; j < g; j++)
+        for (int c = 0; c < D / 32; c++) q[j][c] = (__m512bh)_mm512_loadu_si512(qr[j] + 32 * c);
+    for (int64_t t = 0; t < n; t++) {
+        __m512bh k[4];
+        for (int c = 0; c < D / 32; c++) k[c] = (__m512bh)_mm512_loadu_si512(kc + t * D + 32 * c);
+        for (int64_t j = 0; j < g; j++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < D / 32; c++) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
+            sc[j * stride + t] = b2f(f2b(_mm512_reduce_add_ps(a) * scale));
+        }
+    }
+    for (int64_t j = 0; j < g; j++) softmax_vec(sc + j * stride, n);
+    __m512 a[VEC_MAX_GROUP][8];
+    for (int64_t j = 0; j < g; j++)
+        for (int c = 0; c < D / 16; c++) a[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        __m512 v[8];
+        for (int c = 0; c < D / 16; c++) v[c] = load16(vc + t * D + 16 * c);
+        for (int64_t j = 0; j < g; j++) {
+            __m512 p = _mm512_set1_ps(sc[j * stride + t]);
+            for (int c = 0; c < D / 16; c++) a[j][c] = _mm512_fmadd_ps(p, v[c], a[j][c]);
+        }
+    }
+    for (int64_t j = 0; j < g; j++)
+        for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(acc[j] + 16 * c, a[j][c]);
+}
+#endif
+
+/* qkv [B, H + 2*Hkv, D] (the fused projection's output: q heads, K heads, V heads);
+   cache [2, S, Hkv, L, D] (K at 0, V at 1); cos_t, sin_t [P, D] (sin_t with its first
+   half negated); positions, slots [B]; out [B, H*D]. Query head h uses KV head h / g.
+   Returns 0, or -1 when a scratch buffer could not be allocated (nothing written). */
+int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_t,
+                                  const bf16 *sin_t, const int64_t *positions,
+                                  const int64_t *slots, bf16 *out, int64_t B, int64_t H,
+                                  int64_t Hkv, int64_t D, int64_t S, int64_t L, float scale) {
+    const int64_t g = H / Hkv, row = (H + 2 * Hkv) * D, stride = L + 16;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(g * stride));
+        if (sc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * Hkv; bh++) {
+                const int64_t b = bh / Hkv, kh = bh % Hkv, pos = positions[b], slot = slots[b];
+                const bf16 *cs = cos_t + pos * D, *sn = sin_t + pos * D, *src = qkv + b * row;
+                bf16 *kc = cache + ((0 * S + slot) * Hkv + kh) * L * D;
+                bf16 *vc = cache + ((1 * S + slot) * Hkv + kh) * L * D;
+                rope(src + (H + kh) * D, cs, sn, D, kc + pos * D);
+                memcpy(vc + pos * D, src + (H + Hkv + kh) * D, (size_t)D * sizeof(bf16));
+                bf16 qr[MAX_GROUP][MAX_HEAD_DIM];
+                float acc[MAX_GROUP][MAX_HEAD_DIM];
+                for (int64_t j = 0; j < g; j++) rope(src + (kh * g + j) * D, cs, sn, D, qr[j]);
+                const int64_t n = pos + 1;
+#ifdef VECTOR_PATH
+                if (g <= VEC_MAX_GROUP && D == 64)
+                    attend_vec(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
+                else if (g <= VEC_MAX_GROUP && D == 128)
+                    attend_vec(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
+                else if (g <= VEC_MAX_GROUP && D == 32)
+                    attend_vec(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
+                else
+#endif
+                    attend_scalar(qr, kc, vc, n, g, D, scale, sc, stride, acc);
+                for (int64_t j = 0; j < g; j++) {
+                    bf16 *o = out + b * H * D + (kh * g + j) * D;
+                    for (int64_t k = 0; k < D; k++) o[k] = f2b(acc[j][k]);
+                }
+            }
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,155 @@
+"""The C decode-attention kernel (serving/cpu_kernels.py) against the torch path.
+
+Skipped where the kernel cannot be built (no C compiler, not x86-64): the model then
+runs the torch path, which the rest of the suite covers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+import serving.cpu_kernels as ck
+from serving.config import ModelConfig
+from serving.engine import Engine
+from serving.model import Transformer
+
+KERNELS = ck.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C kernel cannot be built here")
+
+# head_dim 64 and 32 take the AVX-512 path where the CPU has it; 48 the scalar path.
+SHAPES = {
+    "small-like": dict(n_heads=12, n_kv_heads=4, head_dim=64, d_model=256),
+    "tiny": dict(n_heads=8, n_kv_heads=4, head_dim=32, d_model=256),
+    "scalar": dict(n_heads=6, n_kv_heads=2, head_dim=48, d_model=192),
+}
+
+
+def model_of(shape: str) -> Transformer:
+    cfg = ModelConfig.from_name("tiny").replace(name=f"k-{shape}", n_layers=2, **SHAPES[shape])
+    return Transformer.random(cfg, seed=5)
+
+
+def decode_both(m: Transformer, positions: list[int], slots: list[int]):
+    """One decode step with the kernel and one with torch ops on identical caches:
+    (logits, caches) of each."""
+    gen = torch.Generator().manual_seed(9)
+    m.allocate_cache(max(slots) + 2, 64)
+    for c in m.caches():
+        c.copy_(torch.randn(c.shape, generator=gen).to(c.dtype))
+    start = [c.clone() for c in m.caches()]
+    b = len(slots)
+    tokens = torch.randint(0, m.config.vocab_size, (b, 1), generator=gen)
+    pos = torch.tensor(positions)[:, None]
+    sl = torch.tensor(slots)
+    out = []
+    for on in (True, False):
+        assert m.use_cpu_kernels(on) is on
+        for c, s in zip(m.caches(), start, strict=True):
+            c.copy_(s)
+        with torch.inference_mode():
+            logits = m(tokens, pos, sl)
+        out.append((logits, [c.clone() for c in m.caches()]))
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_kernel_step_matches_torch_ops(shape: str) -> None:
+    m = model_of(shape)
+    # Different positions (0: a single key; 63: the last row), slots out of order.
+    (lk, ck_), (lt, ct) = decode_both(m, positions=[0, 17, 63, 5], slots=[3, 0, 1, 4])
+    for a, b in zip(ck_, ct, strict=True):
+        # The K/V rows written (rotary rounded as torch rounds it) are the same bits.
+        assert torch.equal(a, b)
+    torch.testing.assert_close(lk, lt, atol=0.05, rtol=0.05)
+    assert torch.equal(lk.argmax(-1), lt.argmax(-1))
+
+
+@needs_kernels
+def test_kernel_reads_only_each_sequence_own_positions() -> None:
+    m = model_of("small-like")
+    assert m.use_cpu_kernels()
+    m.allocate_cache(2, 32)
+    for c in m.caches():
+        c.normal_()
+        c[:, :, :, 10:] = float("nan")  # beyond the positions this step reads
+    with torch.inference_mode():
+        logits = m(torch.tensor([[1], [2]]), torch.tensor([[9], [4]]), torch.tensor([0, 1]))
+    assert torch.isfinite(logits).all()
+
+
+@needs_kernels
+def test_engine_with_and_without_kernel_generates_the_same_tokens() -> None:
+    cfg = ModelConfig.from_name("tiny")  # bf16
+    plan = [(0, 3, 9), (0, 12, 4), (1, 7, 12), (3, 1, 6), (4, 9, 8)]
+    runs = []
+    for on in (True, False):
+        eng = Engine(
+            model_config=cfg,
+            max_slots=4,
+            max_batch_size=3,
+            max_len=48,
+            prefill_chunk=5,
+            num_threads=1,
+            cpu_kernels=on,
+        )
+        assert eng.cpu_kernels is on
+        g = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for _, n, _ in plan]
+        outputs: dict[str, list[int]] = {}
+        for step in itertools.count():
+            for i, (at, _, mt) in enumerate(plan):
+                if at == step:
+                    eng.add_request(prompts[i], max_tokens=mt, request_id=f"r{i}")
+            if step > 4 and not eng.has_work:
+                break
+            for f in eng.step().finished:
+                outputs[f.request_id] = list(f.output_ids)
+        runs.append(outputs)
+    assert len(runs[0]) == len(plan)
+    assert runs[0] == runs[1]
+
+
+def test_switched_off_or_without_compiler_falls_back(monkeypatch, caplog, tmp_path) -> None:
+    monkeypatch.setenv(ck.ENV_SWITCH, "0")
+    ck.load.cache_clear()
+    try:
+        assert ck.load() is None
+        assert not model_of("tiny").use_cpu_kernels()
+        monkeypatch.delenv(ck.ENV_SWITCH)
+        ck.load.cache_clear()
+        monkeypatch.setattr(ck, "_compiler", lambda: None)
+        monkeypatch.setenv("SLOTUNE_KERNEL_CACHE", str(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="serving.cpu_kernels"):
+            assert ck.load() is None
+        assert "no C compiler" in caplog.text
+        m = model_of("tiny")
+        assert not m.use_cpu_kernels()
+        with torch.inference_mode():  # the torch path still serves
+            m.allocate_cache(1, 8)
+            assert m(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([0])).shape[0] == 1
+    finally:
+        ck.load.cache_clear()
+
+
+@needs_kernels
+def test_not_used_for_fp32_or_unsupported_heads() -> None:
+    cfg = ModelConfig.from_name("tiny", dtype="float32")
+    assert not Transformer.random(cfg).use_cpu_kernels()
+    assert not KERNELS.supports(n_heads=64, n_kv_heads=2, head_dim=64)  # group of 32
+
+
+@needs_kernels
+def test_build_reuses_the_library_and_reports_compiler_errors(monkeypatch, tmp_path) -> None:
+    first = ck.build(tmp_path)
+    assert first.exists() and ck.build(tmp_path) == first
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(ck, "SOURCE", bad)
+    with pytest.raises(RuntimeError, match="failed"):
+        ck.build(tmp_path / "other")
+    assert not list((tmp_path / "other").glob("*.so"))  # no half-built library left
