@@ -1,5 +1,8 @@
 /* slotune's CPU decode kernels (bf16), built at first use by serving/cpu_kernels.py.
  *
+ * slotune_rms_norm_bf16: RMSNorm rows in fp32, rounded once (torch.rms_norm's bits), in a
+ * few us where torch's op costs ~12 us hot and more between streamed weights.
+ *
  * slotune_decode_attention_bf16: one decoder layer's attention for a decode step
  * (one query token per sequence), in one call instead of ~15 small torch ops:
  * rotary embedding of q and k, the new K/V row written into the cache, grouped-query
@@ -46,6 +49,20 @@ int slotune_kernel_limits(int64_t *max_head_dim, int64_t *max_group) {
 #else
     return 0;
 #endif
+}
+
+/* x [n, d] -> out [n, d]: x * rsqrt(mean(x^2) + eps) * w, computed in fp32. */
+void slotune_rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, int64_t d,
+                           float eps) {
+#pragma omp parallel for if (n >= 32) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const bf16 *xi = x + i * d;
+        bf16 *oi = out + i * d;
+        float ss = 0.f;
+        for (int64_t k = 0; k < d; k++) ss += b2f(xi[k]) * b2f(xi[k]);
+        const float r = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int64_t k = 0; k < d; k++) oi[k] = f2b(b2f(xi[k]) * r * b2f(w[k]));
+    }
 }
 
 /* x * cos + rotate_half(x) * sin, as torch computes it in bf16: the product

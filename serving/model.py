@@ -59,8 +59,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.shape = (dim,)
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels: cpu_kernels.Kernels | None = None  # set by Transformer.use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.is_contiguous():  # CPU bf16: the same bits
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # torch's fused kernel: normalizes in fp32, one op instead of seven.
         return torch.rms_norm(x, self.shape, self.weight, self.eps)
 
@@ -279,8 +282,8 @@ class Transformer(nn.Module):
         return on
 
     def use_cpu_kernels(self, enable: bool = True) -> bool:
-        """Run decode-step attention with the C kernel (serving/cpu_kernels.py) where it
-        applies: CPU, bf16, a head layout it supports, and a compiler that built it.
+        """Run decode-step attention and every RMSNorm with the C kernels
+        (serving/cpu_kernels.py) where they apply: CPU, bf16, a head layout it supports, and a compiler that built it.
         Returns whether it is on; ``use_cpu_kernels(False)`` goes back to torch ops."""
         cfg = self.config
         w = self.lm_head.weight
@@ -289,6 +292,9 @@ class Transformer(nn.Module):
             if enable
             else None
         )
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.kernels = self.kernels
         return self.kernels is not None
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
