@@ -12,9 +12,11 @@
  * them, scores and probabilities rounded to bf16 before use), so the two agree to
  * the accumulation order.
  *
- * Threads: OpenMP over (sequence, KV head) pairs. The library links libgomp.so.1,
- * the soname torch's own bundled OpenMP runtime has, so once torch is loaded both
- * share one thread pool and one thread count (torch.set_num_threads).
+ * Threads: OpenMP over (sequence, KV head) pairs, as many as the caller passes
+ * (torch.get_num_threads(): OpenMP's own count is per calling thread, and an engine
+ * step may run on a thread torch never configured). The library links libgomp.so.1,
+ * the soname of torch's bundled OpenMP runtime, so once torch is loaded both share
+ * one runtime and its thread pool.
  */
 #include <math.h>
 #include <stdint.h>
@@ -53,8 +55,8 @@ int slotune_kernel_limits(int64_t *max_head_dim, int64_t *max_group) {
 
 /* x [n, d] -> out [n, d]: x * rsqrt(mean(x^2) + eps) * w, computed in fp32. */
 void slotune_rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, int64_t d,
-                           float eps) {
-#pragma omp parallel for if (n >= 32) schedule(static)
+                           float eps, int nthreads) {
+#pragma omp parallel for if (n >= 32) num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const bf16 *xi = x + i * d;
         bf16 *oi = out + i * d;
@@ -198,10 +200,11 @@ static inline __attribute__((always_inline)) void attend_vec(
 int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_t,
                                   const bf16 *sin_t, const int64_t *positions,
                                   const int64_t *slots, bf16 *out, int64_t B, int64_t H,
-                                  int64_t Hkv, int64_t D, int64_t S, int64_t L, float scale) {
+                                  int64_t Hkv, int64_t D, int64_t S, int64_t L, float scale,
+                                  int nthreads) {
     const int64_t g = H / Hkv, row = (H + 2 * Hkv) * D, stride = L + 16;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(nthreads)
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(g * stride));
         if (sc == NULL) {

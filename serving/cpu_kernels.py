@@ -50,7 +50,7 @@ FLAGS = (
 )
 ENV_SWITCH = "SLOTUNE_CPU_KERNELS"
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
 class Kernels:
@@ -59,10 +59,10 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._attn = lib.slotune_decode_attention_bf16
-        self._attn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F]
+        self._attn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _C]
         self._attn.restype = ctypes.c_int
         self._norm = lib.slotune_rms_norm_bf16
-        self._norm.argtypes = [_P, _P, _P, _I, _I, _F]
+        self._norm.argtypes = [_P, _P, _P, _I, _I, _F, _C]
         self._norm.restype = None
         limits = lib.slotune_kernel_limits
         limits.argtypes = [ctypes.POINTER(_I), ctypes.POINTER(_I)]
@@ -80,7 +80,15 @@ class Kernels:
         and bf16 ``weight`` [d] (fp32 math, one rounding: the same bits)."""
         d = x.shape[-1]
         out = torch.empty_like(x)
-        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+        self._norm(
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // d,
+            d,
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
     def decode_attention(
@@ -117,6 +125,7 @@ class Kernels:
             s,
             length,
             scale,
+            torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("decode attention kernel: scratch allocation failed")

@@ -283,8 +283,9 @@ class Transformer(nn.Module):
 
     def use_cpu_kernels(self, enable: bool = True) -> bool:
         """Run decode-step attention and every RMSNorm with the C kernels
-        (serving/cpu_kernels.py) where they apply: CPU, bf16, a head layout it supports, and a compiler that built it.
-        Returns whether it is on; ``use_cpu_kernels(False)`` goes back to torch ops."""
+        (serving/cpu_kernels.py) where they apply: CPU, bf16, a head layout they
+        support, and a compiler that built them. Returns whether they are on;
+        ``use_cpu_kernels(False)`` goes back to torch ops."""
         cfg = self.config
         w = self.lm_head.weight
         self.kernels = (
