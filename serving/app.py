@@ -176,6 +176,8 @@ class CompletionServer:
             "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "engine_thread_niceness": None if tid is None else os.getpriority(os.PRIO_PROCESS, tid),
+            # Whether decode attention and RMSNorm run the C kernels (serving/cpu_kernels.py).
+            "cpu_kernels": self.engine.engine.cpu_kernels,
         }
 
     def stats(self) -> dict[str, Any]:

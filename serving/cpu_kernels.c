@@ -1,5 +1,12 @@
 /* slotune's CPU decode kernels (bf16), built at first use by serving/cpu_kernels.py.
  *
+ * slotune_gemv_bf16: y = x W^T (+ residual) for a few rows of x (decode at small
+ * batch), on a copy of W packed by slotune_pack_rows8_bf16 so each thread streams one
+ * contiguous run of memory: blocks of 8 output rows, within a block 32-column chunks
+ * of the 8 rows side by side. bf16 dot products, fp32 sums, one rounding. Measured
+ * 2026-12-03 on the `small` model's 49 linears at B=1: 52-57 GB/s against 34-35 GB/s
+ * for oneDNN's prepacked GEMV in the same runs.
+ *
  * slotune_rms_norm_bf16: RMSNorm rows in fp32, rounded once (torch.rms_norm's bits), in a
  * few us where torch's op costs ~12 us hot and more between streamed weights.
  *
@@ -119,6 +126,62 @@ static void attend_scalar(bf16 qr[][MAX_HEAD_DIM], const bf16 *kc, const bf16 *v
 #include <immintrin.h>
 #define VECTOR_PATH 1
 #define VEC_MAX_GROUP 8
+
+/* p [O * I] from w [O, I] (row-major): for each block of 8 rows, for each 32-column
+   chunk, the 8 rows' 32 values one after another. O % 8 == 0, I % 32 == 0. */
+void slotune_pack_rows8_bf16(const bf16 *w, bf16 *p, int64_t O, int64_t I) {
+    for (int64_t o0 = 0; o0 < O; o0 += 8)
+        for (int64_t i = 0; i < I; i += 32)
+            for (int64_t r = 0; r < 8; r++, p += 32) memcpy(p, w + (o0 + r) * I + i, 64);
+}
+
+static inline void gemv_store(const __m512 a[8], bf16 *o, const bf16 *res) {
+    for (int r = 0; r < 8; r++) {
+        const float v = _mm512_reduce_add_ps(a[r]);
+        o[r] = f2b(res ? v + b2f(res[r]) : v);
+    }
+}
+
+/* out [M, O] = x [M, I] W^T (+ res [M, O] when res is not NULL), rounded once. p from
+   slotune_pack_rows8_bf16, 64-byte aligned. Rows of x go in pairs through a block;
+   the next pair re-reads it from cache. */
+void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
+                       int64_t O, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o0 = 0; o0 < O; o0 += 8) {
+        const bf16 *blk = p + o0 * I;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) { /* two rows of x per pass over the block */
+            const bf16 *x0 = x + m * I, *x1 = x0 + I;
+            __m512 a[8], b[8];
+            for (int r = 0; r < 8; r++) a[r] = b[r] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < I; i += 32) {
+                const __m512bh xv0 = (__m512bh)_mm512_loadu_si512(x0 + i);
+                const __m512bh xv1 = (__m512bh)_mm512_loadu_si512(x1 + i);
+                const bf16 *c = blk + i * 8;
+                for (int r = 0; r < 8; r++) {
+                    const __m512bh wv = (__m512bh)_mm512_load_si512(c + 32 * r);
+                    a[r] = _mm512_dpbf16_ps(a[r], xv0, wv);
+                    b[r] = _mm512_dpbf16_ps(b[r], xv1, wv);
+                }
+            }
+            gemv_store(a, out + m * O + o0, res ? res + m * O + o0 : NULL);
+            gemv_store(b, out + (m + 1) * O + o0, res ? res + (m + 1) * O + o0 : NULL);
+        }
+        for (; m < M; m++) {
+            const bf16 *xm = x + m * I;
+            __m512 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < I; i += 32) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + i);
+                const bf16 *c = blk + i * 8;
+                for (int r = 0; r < 8; r++)
+                    a[r] = _mm512_dpbf16_ps(a[r], xv, (__m512bh)_mm512_load_si512(c + 32 * r));
+            }
+            gemv_store(a, out + m * O + o0, res ? res + m * O + o0 : NULL);
+        }
+    }
+}
 
 /* exp(x) for x <= 0: 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, degree-6 polynomial
    (relative error ~2e-7, below bf16's 4e-3 the result is rounded to). */

@@ -70,6 +70,47 @@ class Kernels:
         d, g = _I(), _I()
         self.vector_path = bool(limits(ctypes.byref(d), ctypes.byref(g)))
         self.max_head_dim, self.max_group = d.value, g.value
+        if self.vector_path:  # built only with AVX-512 bf16
+            self._pack = lib.slotune_pack_rows8_bf16
+            self._pack.argtypes = [_P, _P, _I, _I]
+            self._pack.restype = None
+            self._gemv = lib.slotune_gemv_bf16
+            self._gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _C]
+            self._gemv.restype = None
+
+    def supports_gemv(self, out_features: int, in_features: int) -> bool:
+        return self.vector_path and out_features % 8 == 0 and in_features % 32 == 0
+
+    def pack_rows8(self, weight: torch.Tensor) -> torch.Tensor:
+        """The GEMV's copy of a bf16 weight [O, I] (see :meth:`gemv`)."""
+        w = weight.detach().contiguous()
+        packed = torch.empty(w.numel(), dtype=w.dtype)  # torch's CPU allocator: 64-byte aligned
+        if packed.data_ptr() % 64:
+            raise RuntimeError("GEMV weight copy not 64-byte aligned")
+        self._pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
+        return packed
+
+    def gemv(
+        self,
+        x: torch.Tensor,  # [..., I] bf16, contiguous
+        packed: torch.Tensor,  # from pack_rows8 of a weight [O, I]
+        out_features: int,
+        residual: torch.Tensor | None = None,  # [..., O] bf16, contiguous
+    ) -> torch.Tensor:
+        """``x @ W.T`` (``+ residual``), fp32 sums rounded once: [..., O] bf16."""
+        i = x.shape[-1]
+        out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+        self._gemv(
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            x.numel() // i,
+            out_features,
+            i,
+            torch.get_num_threads(),
+        )
+        return out
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         g = n_heads // n_kv_heads

@@ -17,6 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rows of input up to which a linear runs serving/cpu_kernels.py's GEMV rather than
+# oneDNN (docs/serving.md "CPU kernels"). A/B of whole `small` decode steps, alternating
+# step by step (2026-12-03): median step ratio GEMV/oneDNN 0.75-0.85 at B=1, 0.78-0.79
+# at B=2, 0.92-1.00 at B=4, worse from B=6 on.
+GEMV_MAX_ROWS = 2
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` (no bias) that can use a oneDNN-prepacked copy of its weight on CPU.
@@ -32,6 +38,10 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    # serving/cpu_kernels.py's GEMV and its copy of the weight, used for at most
+    # GEMV_MAX_ROWS rows of input (decode at small batch); set by Transformer.use_cpu_kernels.
+    kernels: Any = None
+    rows8: torch.Tensor | None = None
 
     def __init__(
         self, in_features: int, out_features: int, *, parts: tuple[tuple[str, int], ...] = ()
@@ -41,7 +51,16 @@ class Linear(nn.Linear):
             raise ValueError(f"parts={parts!r}: rows must sum to out_features={out_features}")
         self.parts = parts
 
+    def _gemv_fits(self, x: torch.Tensor) -> bool:
+        return (
+            self.rows8 is not None
+            and x.numel() <= GEMV_MAX_ROWS * self.in_features
+            and x.is_contiguous()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv_fits(x):
+            return self.kernels.gemv(x, self.rows8, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -49,6 +68,8 @@ class Linear(nn.Linear):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` as one op, rounded once to the dtype: prepacked, the
         add is a oneDNN post-op; otherwise ``addmm`` (the same bits, measured)."""
+        if self._gemv_fits(x) and residual.is_contiguous():
+            return self.kernels.gemv(x, self.rows8, self.out_features, residual)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
         out = torch.addmm(

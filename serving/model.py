@@ -282,10 +282,11 @@ class Transformer(nn.Module):
         return on
 
     def use_cpu_kernels(self, enable: bool = True) -> bool:
-        """Run decode-step attention and every RMSNorm with the C kernels
-        (serving/cpu_kernels.py) where they apply: CPU, bf16, a head layout they
-        support, and a compiler that built them. Returns whether they are on;
-        ``use_cpu_kernels(False)`` goes back to torch ops."""
+        """Run decode-step attention, every RMSNorm and the linears of small batches
+        with the C kernels (serving/cpu_kernels.py) where they apply: CPU, bf16, a head
+        layout they support, and a compiler that built them. Returns whether they are
+        on; ``use_cpu_kernels(False)`` goes back to torch ops (and drops the GEMV's
+        weight copies). Call after loading weights: the GEMV packs its own copies."""
         cfg = self.config
         w = self.lm_head.weight
         self.kernels = (
@@ -293,10 +294,16 @@ class Transformer(nn.Module):
             if enable
             else None
         )
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.kernels = self.kernels
-        return self.kernels is not None
+        k = self.kernels
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.kernels = k
+                elif isinstance(m, Linear):
+                    gemv = k is not None and k.supports_gemv(m.out_features, m.in_features)
+                    m.kernels = k if gemv else None
+                    m.rows8 = k.pack_rows8(m.weight) if gemv else None
+        return k is not None
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
         """Allocate the KV cache once: per layer [2, max_slots, n_kv_heads, max_len, head_dim]."""

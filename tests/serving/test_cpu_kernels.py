@@ -15,6 +15,7 @@ import torch
 import serving.cpu_kernels as ck
 from serving.config import ModelConfig
 from serving.engine import Engine
+from serving.fused_linear import GEMV_MAX_ROWS, Linear
 from serving.model import Transformer
 
 KERNELS = ck.load()
@@ -33,9 +34,10 @@ def model_of(shape: str) -> Transformer:
     return Transformer.random(cfg, seed=5)
 
 
-def decode_both(m: Transformer, positions: list[int], slots: list[int]):
-    """One decode step with the kernel and one with torch ops on identical caches:
-    (logits, caches) of each."""
+def decode_both(m: Transformer, positions: list[int], slots: list[int], *, gemv: bool = True):
+    """One decode step with the kernels and one with torch ops on identical caches:
+    (logits, caches) of each. ``gemv=False``: the linears run oneDNN in both, so the
+    attention kernel sees the very same q, k and v as the torch path."""
     gen = torch.Generator().manual_seed(9)
     m.allocate_cache(max(slots) + 2, 64)
     for c in m.caches():
@@ -48,6 +50,10 @@ def decode_both(m: Transformer, positions: list[int], slots: list[int]):
     out = []
     for on in (True, False):
         assert m.use_cpu_kernels(on) is on
+        if not gemv:
+            for lin in m.modules():
+                if isinstance(lin, Linear):
+                    lin.rows8 = None
         for c, s in zip(m.caches(), start, strict=True):
             c.copy_(s)
         with torch.inference_mode():
@@ -58,15 +64,55 @@ def decode_both(m: Transformer, positions: list[int], slots: list[int]):
 
 @needs_kernels
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_kernel_step_matches_torch_ops(shape: str) -> None:
+def test_attention_kernel_matches_torch_ops(shape: str) -> None:
     m = model_of(shape)
     # Different positions (0: a single key; 63: the last row), slots out of order.
-    (lk, ck_), (lt, ct) = decode_both(m, positions=[0, 17, 63, 5], slots=[3, 0, 1, 4])
+    (lk, ck_), (lt, ct) = decode_both(m, [0, 17, 63, 5], [3, 0, 1, 4], gemv=False)
     for a, b in zip(ck_, ct, strict=True):
         # The K/V rows written (rotary rounded as torch rounds it) are the same bits.
         assert torch.equal(a, b)
     torch.testing.assert_close(lk, lt, atol=0.05, rtol=0.05)
     assert torch.equal(lk.argmax(-1), lt.argmax(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_kernel_step_with_gemv_matches_torch_ops(shape: str) -> None:
+    m = model_of(shape)
+    assert m.use_cpu_kernels()
+    gemvs = [x for x in m.modules() if isinstance(x, Linear) and x.rows8 is not None]
+    assert len(gemvs) == (4 * 2 + 1 if KERNELS.vector_path else 0)  # 4 a layer, lm_head
+    (lk, ck_), (lt, ct) = decode_both(m, [0, 17, 63, 5], [3, 0, 1, 4])
+    for a, b in zip(ck_, ct, strict=True):  # fp32 sums in another order: bf16 rounding
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(lk, lt, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.vector_path, reason="the GEMV needs AVX-512 bf16"
+)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_gemv_computes_the_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(40, 96, generator=gen) * 0.1).to(torch.bfloat16)  # O=40, I=96
+    x = torch.randn(rows, 1, 96, generator=gen).to(torch.bfloat16)
+    res = torch.randn(rows, 1, 40, generator=gen).to(torch.bfloat16)
+    packed = KERNELS.pack_rows8(w)
+    want = x.float() @ w.float().T  # [rows, 1, 40]
+    got = KERNELS.gemv(x, packed, 40)
+    assert got.shape == (rows, 1, 40) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    got_res = KERNELS.gemv(x, packed, 40, res)
+    torch.testing.assert_close(got_res.float(), want + res.float(), atol=2e-2, rtol=1e-2)
+    # The model's Linear takes it up to GEMV_MAX_ROWS rows, oneDNN/torch beyond.
+    lin = Linear(96, 40)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin.to(torch.bfloat16)
+    lin.kernels, lin.rows8 = KERNELS, packed
+    torch.testing.assert_close(lin.forward(x).float(), want, atol=1e-2, rtol=1e-2)
+    big = torch.randn(GEMV_MAX_ROWS + 1, 96, generator=gen).to(torch.bfloat16)
+    assert torch.equal(lin.forward(big), torch.nn.functional.linear(big, w))
 
 
 @needs_kernels
