@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # System packages some tests need: a real Prometheus server (Debian's package
-# brings promtool too) and headless Chromium for the HTML report test.
+# brings promtool too), headless Chromium for the HTML report test, and a C compiler
+# for serving/cpu_kernels.c (without one the engine keeps its torch path and the
+# kernel tests skip).
 # Installed only when missing and only as root; otherwise those tests skip
 # with a message that names the missing program.
 set -u
 need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" != 0 ]; then
   echo "system-deps: not root; missing ${need[*]} (tests that need them will skip)" >&2
