@@ -186,7 +186,7 @@ void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out,
 /* exp(x) for x <= 0: 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, degree-6 polynomial
    (relative error ~2e-7, below bf16's 4e-3 the result is rounded to). */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x); /* NaN stays NaN (max returns operand 2) */
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
@@ -259,13 +259,18 @@ static inline __attribute__((always_inline)) void attend_vec(
 /* qkv [B, H + 2*Hkv, D] (the fused projection's output: q heads, K heads, V heads);
    cache [2, S, Hkv, L, D] (K at 0, V at 1); cos_t, sin_t [P, D] (sin_t with its first
    half negated); positions, slots [B]; out [B, H*D]. Query head h uses KV head h / g.
-   Returns 0, or -1 when a scratch buffer could not be allocated (nothing written). */
+   Returns 0; -2 when a position is outside [0, min(L, P)) or a slot outside [0, S);
+   -1 when a scratch buffer could not be allocated (nothing written in either case). */
 int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_t,
                                   const bf16 *sin_t, const int64_t *positions,
                                   const int64_t *slots, bf16 *out, int64_t B, int64_t H,
-                                  int64_t Hkv, int64_t D, int64_t S, int64_t L, float scale,
-                                  int nthreads) {
+                                  int64_t Hkv, int64_t D, int64_t S, int64_t L, int64_t P,
+                                  float scale, int nthreads) {
     const int64_t g = H / Hkv, row = (H + 2 * Hkv) * D, stride = L + 16;
+    for (int64_t b = 0; b < B; b++)
+        if (positions[b] < 0 || positions[b] >= L || positions[b] >= P || slots[b] < 0 ||
+            slots[b] >= S)
+            return -2;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {

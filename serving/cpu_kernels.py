@@ -59,7 +59,7 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._attn = lib.slotune_decode_attention_bf16
-        self._attn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _C]
+        self._attn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _C]
         self._attn.restype = ctypes.c_int
         self._norm = lib.slotune_rms_norm_bf16
         self._norm.argtypes = [_P, _P, _P, _I, _I, _F, _C]
@@ -146,8 +146,9 @@ class Kernels:
         """Rotary q and k, K/V written at ``(slot, position)``, attention over positions
         ``0..position`` of each slot. Returns [B, n_heads * D] bf16.
 
-        The caller guarantees shapes, dtypes, contiguity and index ranges (the model
-        builds them); nothing here is checked per call, it would cost what it saves."""
+        The caller guarantees shapes, dtypes and contiguity (the model builds them);
+        positions and slots out of range raise IndexError (checked in C, nothing
+        written)."""
         b, _, d = qkv.shape
         _, s, hkv, length, _ = cache.shape
         out = torch.empty(b, n_heads * d, dtype=qkv.dtype)
@@ -165,9 +166,16 @@ class Kernels:
             d,
             s,
             length,
+            cos.shape[0],
             scale,
             torch.get_num_threads(),
         )
+        if rc == -2:
+            raise IndexError(
+                f"decode attention kernel: a position outside [0, {min(length, cos.shape[0])}) "
+                f"or a slot outside [0, {s}) (positions {positions.tolist()}, slots "
+                f"{slots.tolist()})"
+            )
         if rc != 0:
             raise MemoryError("decode attention kernel: scratch allocation failed")
         return out
@@ -221,6 +229,7 @@ def build(directory: Path | None = None) -> Path:
         )
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1:]}")
+        os.chmod(tmp, 0o755)  # not mkstemp's 0600: a cache may be shared between users
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -55,6 +55,8 @@ class Linear(nn.Linear):
         return (
             self.rows8 is not None
             and x.numel() <= GEMV_MAX_ROWS * self.in_features
+            and x.dtype == torch.bfloat16
+            and x.device.type == "cpu"
             and x.is_contiguous()
         )
 

@@ -62,7 +62,12 @@ class RMSNorm(nn.Module):
         self.kernels: cpu_kernels.Kernels | None = None  # set by Transformer.use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.is_contiguous():  # CPU bf16: the same bits
+        if (
+            self.kernels is not None
+            and x.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+        ):  # CPU bf16: the same bits
             return self.kernels.rms_norm(x, self.weight, self.eps)
         # torch's fused kernel: normalizes in fp32, one op instead of seven.
         return torch.rms_norm(x, self.shape, self.weight, self.eps)
@@ -280,6 +285,13 @@ class Transformer(nn.Module):
                     torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1) if on else None
                 )
         return on
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .float(), .cuda(), ...
+        # The kernels' weight copies and flags describe the old dtype and device: drop
+        # them (call use_cpu_kernels again after moving the model).
+        if getattr(self, "kernels", None) is not None:
+            self.use_cpu_kernels(False)
+        return super()._apply(fn, *args, **kwargs)
 
     def use_cpu_kernels(self, enable: bool = True) -> bool:
         """Run decode-step attention, every RMSNorm and the linears of small batches

@@ -40,8 +40,8 @@ class StepContext:
         self.kernels = kernels if (kernels is not None and slots is not None and t == 1) else None
         if self.kernels is not None:
             self.cos_table, self.sin_table = cos, sin_signed  # [P, D] each
-            self.positions = positions.reshape(b).contiguous()  # [B]
-            self.slots = slots.contiguous()  # [B]
+            self.positions = positions.reshape(b).to(torch.int64).contiguous()  # [B]
+            self.slots = slots.to(torch.int64).contiguous()  # [B]
             return
         self.cos = cos[positions].unsqueeze(2)  # [B, T, 1, D]
         self.sin = sin_signed[positions].unsqueeze(2)  # [B, T, 1, D]

@@ -209,3 +209,45 @@ def test_rms_norm_kernel_gives_torch_bits() -> None:
     got = KERNELS.rms_norm(x, w, 1e-5)
     want = torch.rms_norm(x, (768,), w, 1e-5)
     assert (got != want).sum() <= 2  # the sum of squares in another order: a rare last bit
+
+
+@needs_kernels
+def test_nan_in_the_cache_propagates_like_torch() -> None:
+    """A NaN where a sequence reads its cache is NaN in its logits on both paths (the
+    kernel must not hide corruption as a uniform attention)."""
+    m = model_of("small-like")
+    got = []
+    for on in (True, False):
+        m.use_cpu_kernels(on)
+        m.allocate_cache(2, 16)
+        for c in m.caches():
+            c.normal_(generator=torch.Generator().manual_seed(1))
+            c[0, 0, :, 3] = float("nan")  # slot 0's K at position 3; slot 1 is clean
+        with torch.inference_mode():
+            got.append(m(torch.tensor([[1], [2]]), torch.tensor([[9], [9]]), torch.tensor([0, 1])))
+    for logits in got:
+        assert torch.isnan(logits[0]).all() and torch.isfinite(logits[1]).all()
+
+
+@needs_kernels
+def test_out_of_range_position_or_slot_is_an_error_not_a_write() -> None:
+    m = model_of("small-like")
+    assert m.use_cpu_kernels()
+    m.allocate_cache(2, 16)
+    before = [c.clone() for c in m.caches()]
+    for pos, slot in ((16, 0), (3, 2), (-1, 0)):
+        with pytest.raises(IndexError, match="outside"), torch.inference_mode():
+            m(torch.tensor([[1]]), torch.tensor([[pos]]), torch.tensor([slot]))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.caches(), strict=True))
+
+
+@needs_kernels
+def test_moving_the_model_drops_the_kernels() -> None:
+    m = model_of("tiny")
+    assert m.use_cpu_kernels()
+    m.to(torch.float32)
+    assert m.kernels is None
+    assert all(x.rows8 is None for x in m.modules() if isinstance(x, Linear))
+    m.allocate_cache(1, 8)
+    with torch.inference_mode():
+        assert torch.isfinite(m(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([0]))).all()
