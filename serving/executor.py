@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from serving.model import Transformer, sample
+from serving.model import Transformer
+from serving.sampling import sample
 from serving.step_plan import DecodeEntry, StepPlan
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A Llama-style decoder in plain torch, with a KV cache allocated once.
 
-RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention),
-grouped-query attention, SwiGLU.
+RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention; both in
+serving/layers.py), grouped-query attention, SwiGLU. Sampling: serving/sampling.py.
 
 Fused linears: q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj``
 (their weights stacked by rows), so a decode step runs 4 linears per layer
@@ -40,6 +40,7 @@ from torch import nn
 from serving import cpu_kernels
 from serving.config import ModelConfig
 from serving.fused_linear import FusedHF, Linear, can_prepack
+from serving.layers import ROPE_TABLE_DEFAULT, RMSNorm, apply_rope_, rope_tables
 from serving.step_context import StepContext
 
 logger = logging.getLogger(__name__)
@@ -51,52 +52,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in TORCH_DTYPES:
         raise ValueError(f"dtype={name!r}: must be one of {', '.join(TORCH_DTYPES)}")
     return TORCH_DTYPES[name]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.shape = (dim,)
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.kernels: cpu_kernels.Kernels | None = None  # set by Transformer.use_cpu_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.kernels is not None
-            and x.dtype == torch.bfloat16
-            and x.device.type == "cpu"
-            and x.is_contiguous()
-        ):  # CPU bf16: the same bits
-            return self.kernels.rms_norm(x, self.weight, self.eps)
-        # torch's fused kernel: normalizes in fp32, one op instead of seven.
-        return torch.rms_norm(x, self.shape, self.weight, self.eps)
-
-
-ROPE_TABLE_DEFAULT = 4096  # positions tabulated before a cache asks for more
-
-
-def rope_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [length, head_dim] in fp32."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    t = torch.arange(length, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # [P, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    return emb.cos(), emb.sin()
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
-    """Rotate ``x`` in place: ``x * cos + rotate_half(x) * sin``.
-
-    x: [B, T, H, D] (may be a strided view); cos, sin_signed: [B, T, 1, D].
-    ``rotate_half(x) * sin == [x2, x1] * sin_signed`` with the first half of
-    ``sin_signed`` negated, so the rotation is a swap, a mul and one addcmul
-    (``torch.roll`` for the swap was 1.4x slower at B=256, measured).
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    swapped = torch.cat((x2, x1), dim=-1)  # [B, T, H, D]
-    torch.addcmul(x * cos, swapped, sin_signed, out=x)
 
 
 class Attention(FusedHF):
@@ -398,23 +353,3 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1]  # [B, d_model]
         return self.lm_head.forward(self.model.norm.forward(x)).float()  # [B, V] or [B, T, V]
-
-
-def sample(
-    logits: torch.Tensor,  # [B, V] fp32
-    temperature: torch.Tensor,  # [B]; 0 means greedy
-    generator: torch.Generator | None = None,
-    *,
-    any_hot: bool | None = None,
-) -> torch.Tensor:
-    """Greedy where temperature is 0, softmax sampling elsewhere. Returns [B]
-    int64. ``any_hot``: whether any temperature is > 0, if the caller knows (saves a
-    device sync)."""
-    greedy = logits.argmax(dim=-1)  # [B]
-    hot = temperature > 0
-    if not (bool(hot.any()) if any_hot is None else any_hot):
-        return greedy
-    t = torch.where(hot, temperature, torch.ones_like(temperature))  # [B]
-    probs = torch.softmax(logits / t[:, None], dim=-1)  # [B, V]
-    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
-    return torch.where(hot, drawn, greedy)

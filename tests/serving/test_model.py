@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from serving.config import ModelConfig
 from serving.fused_linear import Linear
-from serving.model import Transformer, sample
+from serving.model import Transformer
+from serving.sampling import sample
 
 
 @pytest.fixture(scope="module")
