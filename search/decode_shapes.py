@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from search.hardware import BYTES_PER_ELEM
 from search.models import ModelSpec
 from serving import cpu_kernels
-from serving.cpu_kernels import Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -163,27 +162,12 @@ def decode_attention(
     return torch.bmm(probs, values)  # [B*Hkv, g, D]
 
 
-def kernel_attention(
-    kernels: Kernels,
-    cache: torch.Tensor,  # [2, B, Hkv, L, D]
-    qkv: torch.Tensor,  # [B, H + 2*Hkv, D]
-    tables: torch.Tensor,  # [L, D]: stands in for the rotary cos and sin tables
-    positions: torch.Tensor,  # [B]
-    slots: torch.Tensor,  # [B]
-    n_heads: int,
-) -> torch.Tensor:
-    """The decode attention serving/model.py runs where serving/cpu_kernels.py applies
-    (CPU bf16): rotary, the cache write and attention over positions 0..pos in one
-    call. Returns [B, H*D]."""
-    d = qkv.shape[-1]
-    return kernels.decode_attention(qkv, cache, tables, tables, positions, slots, n_heads, d**-0.5)
-
-
 def attention_timer(
     dev: torch.device, dt: torch.dtype, model: ModelSpec, batch: int, context: int
 ) -> Callable[[torch.Tensor], object]:
     """``run(cache)``: one layer's decode attention at ``batch`` x ``context`` on a cache
-    [2, batch, Hkv, context, D], as the engine runs it here (the C kernel or
+    [2, batch, Hkv, context, D], as the engine runs it here (the C kernel of
+    serving/cpu_kernels.py on CPU bf16, with rotary and the cache write, or
     :func:`decode_attention`), each query at position ``context - 1``."""
     m = model
     g, d = m.heads // m.kv_heads, m.head_dim
@@ -193,7 +177,10 @@ def attention_timer(
         tables = filled((context, d), dev, dt)
         pos = torch.full((batch,), context - 1, dtype=torch.long, device=dev)
         slots = torch.arange(batch, device=dev)
-        return lambda c: kernel_attention(kernels, c, qkv, tables, pos, slots, m.heads)
+        # ``tables`` stands in for the rotary cos and sin tables (only timing matters)
+        return lambda c: kernels.decode_attention(
+            qkv, c, tables, tables, pos, slots, m.heads, d**-0.5
+        )
     q = torch.randn(batch * m.kv_heads, g, d, device=dev).to(dt)  # [B*Hkv, g, D]
     mask = torch.zeros(batch * m.kv_heads, g, context, device=dev, dtype=dt)  # [B*Hkv, g, L]
     return lambda c: decode_attention(q, c, mask)
