@@ -19,6 +19,10 @@
  * them, scores and probabilities rounded to bf16 before use), so the two agree to
  * the accumulation order.
  *
+ * slotune_decode_layer_bf16: a whole decoder layer of a decode step at the GEMV's
+ * batch sizes (norms, the four GEMVs, attention, SwiGLU, residual adds) in one
+ * parallel region, the same steps and roundings as the layer called op by op.
+ *
  * Threads: OpenMP over (sequence, KV head) pairs, as many as the caller passes
  * (torch.get_num_threads(): OpenMP's own count is per calling thread, and an engine
  * step may run on a thread torch never configured). The library links libgomp.so.1,
@@ -60,18 +64,18 @@ int slotune_kernel_limits(int64_t *max_head_dim, int64_t *max_group) {
 #endif
 }
 
+static void rms_row(const bf16 *xi, const bf16 *w, bf16 *oi, int64_t d, float eps) {
+    float ss = 0.f;
+    for (int64_t k = 0; k < d; k++) ss += b2f(xi[k]) * b2f(xi[k]);
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int64_t k = 0; k < d; k++) oi[k] = f2b(b2f(xi[k]) * r * b2f(w[k]));
+}
+
 /* x [n, d] -> out [n, d]: x * rsqrt(mean(x^2) + eps) * w, computed in fp32. */
 void slotune_rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, int64_t d,
                            float eps, int nthreads) {
 #pragma omp parallel for if (n >= 32) num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const bf16 *xi = x + i * d;
-        bf16 *oi = out + i * d;
-        float ss = 0.f;
-        for (int64_t k = 0; k < d; k++) ss += b2f(xi[k]) * b2f(xi[k]);
-        const float r = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int64_t k = 0; k < d; k++) oi[k] = f2b(b2f(xi[k]) * r * b2f(w[k]));
-    }
+    for (int64_t i = 0; i < n; i++) rms_row(x + i * d, w, out + i * d, d, eps);
 }
 
 /* x * cos + rotate_half(x) * sin, as torch computes it in bf16: the product
@@ -144,10 +148,11 @@ static inline void gemv_store(const __m512 a[8], bf16 *o, const bf16 *res) {
 
 /* out [M, O] = x [M, I] W^T (+ res [M, O] when res is not NULL), rounded once. p from
    slotune_pack_rows8_bf16, 64-byte aligned. Rows of x go in pairs through a block;
-   the next pair re-reads it from cache. */
-void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
-                       int64_t O, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+   the next pair re-reads it from cache. A worksharing loop: call it inside a parallel
+   region (every thread of the team). */
+static void gemv_for(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
+                     int64_t O, int64_t I) {
+#pragma omp for schedule(static)
     for (int64_t o0 = 0; o0 < O; o0 += 8) {
         const bf16 *blk = p + o0 * I;
         int64_t m = 0;
@@ -181,6 +186,12 @@ void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out,
             gemv_store(a, out + m * O + o0, res ? res + m * O + o0 : NULL);
         }
     }
+}
+
+void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
+                       int64_t O, int64_t I, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemv_for(x, p, res, out, M, O, I);
 }
 
 /* exp(x) for x <= 0: 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, degree-6 polynomial
@@ -256,6 +267,52 @@ static inline __attribute__((always_inline)) void attend_vec(
 }
 #endif
 
+static int check_rows(const int64_t *positions, const int64_t *slots, int64_t B, int64_t S,
+                      int64_t L, int64_t P) {
+    for (int64_t b = 0; b < B; b++)
+        if (positions[b] < 0 || positions[b] >= L || positions[b] >= P || slots[b] < 0 ||
+            slots[b] >= S)
+            return -2;
+    return 0;
+}
+
+/* The decode attention of one layer as a worksharing loop over (sequence, KV head)
+   pairs: call it inside a parallel region, sc a thread's own scratch of g * (L + 16)
+   floats. Arguments as slotune_decode_attention_bf16's. */
+static void attention_for(const bf16 *qkv, bf16 *cache, const bf16 *cos_t, const bf16 *sin_t,
+                          const int64_t *positions, const int64_t *slots, bf16 *out, int64_t B,
+                          int64_t H, int64_t Hkv, int64_t D, int64_t S, int64_t L, float scale,
+                          float *sc) {
+    const int64_t g = H / Hkv, row = (H + 2 * Hkv) * D, stride = L + 16;
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * Hkv; bh++) {
+        const int64_t b = bh / Hkv, kh = bh % Hkv, pos = positions[b], slot = slots[b];
+        const bf16 *cs = cos_t + pos * D, *sn = sin_t + pos * D, *src = qkv + b * row;
+        bf16 *kc = cache + ((0 * S + slot) * Hkv + kh) * L * D;
+        bf16 *vc = cache + ((1 * S + slot) * Hkv + kh) * L * D;
+        rope(src + (H + kh) * D, cs, sn, D, kc + pos * D);
+        memcpy(vc + pos * D, src + (H + Hkv + kh) * D, (size_t)D * sizeof(bf16));
+        bf16 qr[MAX_GROUP][MAX_HEAD_DIM];
+        float acc[MAX_GROUP][MAX_HEAD_DIM];
+        for (int64_t j = 0; j < g; j++) rope(src + (kh * g + j) * D, cs, sn, D, qr[j]);
+        const int64_t n = pos + 1;
+#ifdef VECTOR_PATH
+        if (g <= VEC_MAX_GROUP && D == 64)
+            attend_vec(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
+        else if (g <= VEC_MAX_GROUP && D == 128)
+            attend_vec(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
+        else if (g <= VEC_MAX_GROUP && D == 32)
+            attend_vec(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
+        else
+#endif
+            attend_scalar(qr, kc, vc, n, g, D, scale, sc, stride, acc);
+        for (int64_t j = 0; j < g; j++) {
+            bf16 *o = out + b * H * D + (kh * g + j) * D;
+            for (int64_t k = 0; k < D; k++) o[k] = f2b(acc[j][k]);
+        }
+    }
+}
+
 /* qkv [B, H + 2*Hkv, D] (the fused projection's output: q heads, K heads, V heads);
    cache [2, S, Hkv, L, D] (K at 0, V at 1); cos_t, sin_t [P, D] (sin_t with its first
    half negated); positions, slots [B]; out [B, H*D]. Query head h uses KV head h / g.
@@ -266,50 +323,92 @@ int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_
                                   const int64_t *slots, bf16 *out, int64_t B, int64_t H,
                                   int64_t Hkv, int64_t D, int64_t S, int64_t L, int64_t P,
                                   float scale, int nthreads) {
-    const int64_t g = H / Hkv, row = (H + 2 * Hkv) * D, stride = L + 16;
-    for (int64_t b = 0; b < B; b++)
-        if (positions[b] < 0 || positions[b] >= L || positions[b] >= P || slots[b] < 0 ||
-            slots[b] >= S)
-            return -2;
+    if (check_rows(positions, slots, B, S, L, P)) return -2;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(g * stride));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)((H / Hkv) * (L + 16)));
         if (sc == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < B * Hkv; bh++) {
-                const int64_t b = bh / Hkv, kh = bh % Hkv, pos = positions[b], slot = slots[b];
-                const bf16 *cs = cos_t + pos * D, *sn = sin_t + pos * D, *src = qkv + b * row;
-                bf16 *kc = cache + ((0 * S + slot) * Hkv + kh) * L * D;
-                bf16 *vc = cache + ((1 * S + slot) * Hkv + kh) * L * D;
-                rope(src + (H + kh) * D, cs, sn, D, kc + pos * D);
-                memcpy(vc + pos * D, src + (H + Hkv + kh) * D, (size_t)D * sizeof(bf16));
-                bf16 qr[MAX_GROUP][MAX_HEAD_DIM];
-                float acc[MAX_GROUP][MAX_HEAD_DIM];
-                for (int64_t j = 0; j < g; j++) rope(src + (kh * g + j) * D, cs, sn, D, qr[j]);
-                const int64_t n = pos + 1;
-#ifdef VECTOR_PATH
-                if (g <= VEC_MAX_GROUP && D == 64)
-                    attend_vec(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
-                else if (g <= VEC_MAX_GROUP && D == 128)
-                    attend_vec(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
-                else if (g <= VEC_MAX_GROUP && D == 32)
-                    attend_vec(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
-                else
-#endif
-                    attend_scalar(qr, kc, vc, n, g, D, scale, sc, stride, acc);
-                for (int64_t j = 0; j < g; j++) {
-                    bf16 *o = out + b * H * D + (kh * g + j) * D;
-                    for (int64_t k = 0; k < D; k++) o[k] = f2b(acc[j][k]);
-                }
-            }
-        }
+        if (!failed) attention_for(qkv, cache, cos_t, sin_t, positions, slots, out, B, H, Hkv, D, S, L, scale, sc);
         free(sc);
     }
     return failed ? -1 : 0;
 }
+
+#ifdef VECTOR_PATH
+/* x * sigmoid(x) rounded to bf16 (torch's bf16 silu), times up, rounded again (torch's
+   bf16 mul): 16 at a time. sigmoid from exp(-|x|), so exp16 never sees x > 0. */
+static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o, __mmask16 k) {
+    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, gate)), 16));
+    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, up)), 16));
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    /* x >= 0: x / (1 + e); x < 0: x * e / (1 + e) */
+    const __m512 num = _mm512_mask_mul_ps(x, neg, x, e);
+    const __m512 s = _mm512_div_ps(num, _mm512_add_ps(one, e));
+    float sv[16], uv[16];
+    _mm512_storeu_ps(sv, s);
+    _mm512_storeu_ps(uv, u);
+    for (int i = 0; i < 16; i++)
+        if (k >> i & 1) o[i] = f2b(b2f(f2b(sv[i])) * uv[i]);
+}
+
+/* One decoder layer of a decode step for a few rows (the GEMV's batch sizes), in one
+   parallel region: x_out = h + down(silu(gate) * up) of norm2(h), h = x + o(attention
+   of qkv(norm1(x))). The same steps, roundings and kernels as the layer run op by op
+   (Block.forward with the kernels), without returning to Python between them. Weights
+   from slotune_pack_rows8_bf16; d, H*D and I multiples of 32, (H + 2*Hkv)*D, d and 2*I
+   of 8. x_in and x_out [M, d] may not overlap. Returns as slotune_decode_attention_bf16. */
+int slotune_decode_layer_bf16(const bf16 *x_in, bf16 *x_out, const bf16 *norm1,
+                              const bf16 *norm2, float eps1, float eps2, const bf16 *qkv_p,
+                              const bf16 *o_p, const bf16 *gate_up_p, const bf16 *down_p,
+                              bf16 *cache, const bf16 *cos_t, const bf16 *sin_t,
+                              const int64_t *positions, const int64_t *slots, int64_t M,
+                              int64_t d, int64_t I, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                              int64_t L, int64_t P, float scale, int nthreads) {
+    if (check_rows(positions, slots, M, S, L, P)) return -2;
+    const int64_t nq = (H + 2 * Hkv) * D, na = H * D;
+    /* scratch: normed rows [M, d], qkv [M, nq], attention [M, na], gate|up [M, 2I], act [M, I] */
+    bf16 *h = (bf16 *)malloc(sizeof(bf16) * (size_t)(M * (d + nq + na + 3 * I)));
+    if (h == NULL) return -1;
+    bf16 *qkv = h + M * d, *att = qkv + M * nq, *gu = att + M * na, *act = gu + M * 2 * I;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)((H / Hkv) * (L + 16)));
+        if (sc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) rms_row(x_in + m * d, norm1, h + m * d, d, eps1);
+        /* the loop's barrier also publishes `failed` */
+        if (!failed) {
+            gemv_for(h, qkv_p, NULL, qkv, M, nq, d);
+            attention_for(qkv, cache, cos_t, sin_t, positions, slots, att, M, H, Hkv, D, S, L,
+                          scale, sc);
+            gemv_for(att, o_p, x_in, x_out, M, d, na);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) rms_row(x_out + m * d, norm2, h + m * d, d, eps2);
+            gemv_for(h, gate_up_p, NULL, gu, M, 2 * I, d);
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < M * I; c += 16) {
+                const int64_t m = c / I, i = c % I;
+                const __mmask16 k = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+                silu_mul16(gu + m * 2 * I + i, gu + m * 2 * I + I + i, act + m * I + i, k);
+            }
+            gemv_for(act, down_p, x_out, x_out, M, d, I);
+        }
+        free(sc);
+    }
+    free(h);
+    return failed ? -1 : 0;
+}
+#endif

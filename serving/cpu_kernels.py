@@ -1,5 +1,5 @@
-"""slotune's CPU kernels (serving/cpu_kernels.c): decode attention and RMSNorm, built at
-first use.
+"""slotune's CPU kernels (serving/cpu_kernels.c): decode attention, RMSNorm, the GEMV of
+small batches and whole decoder layers at those batches, built at first use.
 
 On CPU in bf16 a decode step's attention is ~15 small torch ops per layer (rotary
 embedding, the cache write, two batched GEMMs, softmax, reshapes), each with a fixed
@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,6 +78,11 @@ class Kernels:
             self._gemv = lib.slotune_gemv_bf16
             self._gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _C]
             self._gemv.restype = None
+            self._layer = lib.slotune_decode_layer_bf16
+            # x_in, x_out, norm1, norm2, eps1, eps2, 4 weights, cache, cos, sin,
+            # positions, slots; M, d, I, H, Hkv, D, S, L, P; scale, threads
+            self._layer.argtypes = [_P] * 4 + [_F] * 2 + [_P] * 9 + [_I] * 9 + [_F, _C]
+            self._layer.restype = ctypes.c_int
 
     def supports_gemv(self, out_features: int, in_features: int) -> bool:
         return self.vector_path and out_features % 8 == 0 and in_features % 32 == 0
@@ -110,6 +116,53 @@ class Kernels:
             i,
             torch.get_num_threads(),
         )
+        return out
+
+    def decode_layer(
+        self,
+        x: torch.Tensor,  # [B, 1, d] bf16, contiguous
+        layer: Any,  # serving.model.Block whose four linears have GEMV copies (rows8)
+        ctx: Any,  # serving.step_context.StepContext of a decode step with these kernels
+    ) -> torch.Tensor:
+        """A whole decoder layer of a decode step in one call: the norms, the four
+        linears (GEMV), decode attention (as :meth:`decode_attention`), SwiGLU and both
+        residual adds, op for op as ``Block.forward`` runs them with the kernels (the
+        same roundings). Returns the layer's output [B, 1, d] bf16."""
+        attn, mlp = layer.self_attn, layer.mlp
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        cache, cos = attn.kv_cache, ctx.cos_table
+        b, _, d = x.shape
+        _, s, hkv, length, hd = cache.shape
+        out = torch.empty_like(x)
+        rc = self._layer(
+            x.data_ptr(),
+            out.data_ptr(),
+            n1.weight.data_ptr(),
+            n2.weight.data_ptr(),
+            n1.eps,
+            n2.eps,
+            attn.qkv_proj.rows8.data_ptr(),
+            attn.o_proj.rows8.data_ptr(),
+            mlp.gate_up_proj.rows8.data_ptr(),
+            mlp.down_proj.rows8.data_ptr(),
+            cache.data_ptr(),
+            cos.data_ptr(),
+            ctx.sin_table.data_ptr(),
+            ctx.positions.data_ptr(),
+            ctx.slots.data_ptr(),
+            b,
+            d,
+            mlp.down_proj.in_features,
+            attn.n_heads,
+            hkv,
+            hd,
+            s,
+            length,
+            cos.shape[0],
+            hd**-0.5,
+            torch.get_num_threads(),
+        )
+        self._check(rc, length, cos.shape[0], s, ctx.positions, ctx.slots)
         return out
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -170,15 +223,21 @@ class Kernels:
             scale,
             torch.get_num_threads(),
         )
+        self._check(rc, length, cos.shape[0], s, positions, slots)
+        return out
+
+    @staticmethod
+    def _check(
+        rc: int, length: int, table: int, s: int, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         if rc == -2:
             raise IndexError(
-                f"decode attention kernel: a position outside [0, {min(length, cos.shape[0])}) "
+                f"decode attention kernel: a position outside [0, {min(length, table)}) "
                 f"or a slot outside [0, {s}) (positions {positions.tolist()}, slots "
                 f"{slots.tolist()})"
             )
         if rc != 0:
             raise MemoryError("decode attention kernel: scratch allocation failed")
-        return out
 
 
 def _compiler() -> str | None:

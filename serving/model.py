@@ -39,7 +39,7 @@ from torch import nn
 
 from serving import cpu_kernels
 from serving.config import ModelConfig
-from serving.fused_linear import FusedHF, Linear, can_prepack
+from serving.fused_linear import GEMV_MAX_ROWS, FusedHF, Linear, can_prepack
 from serving.layers import ROPE_TABLE_DEFAULT, RMSNorm, apply_rope_, rope_tables
 from serving.step_context import StepContext
 
@@ -135,6 +135,10 @@ class MLP(FusedHF):
 
 
 class Block(nn.Module):
+    # Set by Transformer.use_cpu_kernels when all four linears have GEMV copies: decode
+    # steps of up to GEMV_MAX_ROWS rows then run the whole layer in one C call.
+    fused: bool = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -143,6 +147,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:  # x: [B, T, d]
+        if (
+            self.fused
+            and ctx.kernels is not None
+            and x.shape[0] <= GEMV_MAX_ROWS
+            and x.dtype == torch.bfloat16
+            and x.is_contiguous()
+        ):
+            return ctx.kernels.decode_layer(x, self, ctx)
         # ``.forward`` called directly: ``nn.Module.__call__`` costs ~2 us of CPU and
         # a decode step makes ~100 of them (no module here has forward hooks).
         # Residual adds fused into o_proj and down_proj (one oneDNN op each).
@@ -270,6 +282,10 @@ class Transformer(nn.Module):
                     gemv = k is not None and k.supports_gemv(m.out_features, m.in_features)
                     m.kernels = k if gemv else None
                     m.rows8 = k.pack_rows8(m.weight) if gemv else None
+        for layer in self.model.layers:
+            lins = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+            lins += (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            layer.fused = all(lin.rows8 is not None for lin in lins)
         return k is not None
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:

@@ -91,6 +91,46 @@ def test_kernel_step_with_gemv_matches_torch_ops(shape: str) -> None:
 @pytest.mark.skipif(
     KERNELS is None or not KERNELS.vector_path, reason="the GEMV needs AVX-512 bf16"
 )
+@pytest.mark.parametrize("shape", ["small-like", "tiny"])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
+    shape: str, rows: int, monkeypatch
+) -> None:
+    """Up to GEMV_MAX_ROWS rows a decode step runs each layer in one C call; its logits
+    and cache writes are the very bits of the same kernels called op by op (the norms,
+    GEMVs, attention, SwiGLU and residual adds rounded alike)."""
+    m = model_of(shape)
+    assert m.use_cpu_kernels() and all(layer.fused for layer in m.model.layers)
+    calls = []
+    real = KERNELS.decode_layer
+    monkeypatch.setattr(KERNELS, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(rows)
+    m.allocate_cache(6, 64)
+    for c in m.caches():
+        c.copy_(torch.randn(c.shape, generator=gen).to(c.dtype))
+    start = [c.clone() for c in m.caches()]
+    with torch.no_grad():  # a hidden state with large entries: silu's tails, both signs
+        m.model.embed_tokens.weight.mul_(8.0)
+    tokens = torch.randint(0, m.config.vocab_size, (rows, 1), generator=gen)
+    pos = torch.tensor([[63], [0], [17]][:rows])
+    slots = torch.tensor([4, 1, 2][:rows])
+    out = []
+    for fused in (True, False):
+        for layer in m.model.layers:
+            layer.fused = fused
+        for c, s in zip(m.caches(), start, strict=True):
+            c.copy_(s)
+        with torch.inference_mode():
+            out.append((m(tokens, pos, slots), [c.clone() for c in m.caches()]))
+    assert len(calls) == (len(m.model.layers) if rows <= GEMV_MAX_ROWS else 0)
+    (lf, cf), (lo, co) = out
+    assert torch.equal(lf, lo)
+    assert all(torch.equal(a, b) for a, b in zip(cf, co, strict=True))
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.vector_path, reason="the GEMV needs AVX-512 bf16"
+)
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_gemv_computes_the_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
