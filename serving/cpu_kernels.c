@@ -333,7 +333,9 @@ int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) attention_for(qkv, cache, cos_t, sin_t, positions, slots, out, B, H, Hkv, D, S, L, scale, sc);
+        if (!failed)
+            attention_for(qkv, cache, cos_t, sin_t, positions, slots, out, B, H, Hkv, D, S, L,
+                          scale, sc);
         free(sc);
     }
     return failed ? -1 : 0;
@@ -342,11 +344,8 @@ int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_
 #ifdef VECTOR_PATH
 /* x * sigmoid(x) rounded to bf16 (torch's bf16 silu), times up, rounded again (torch's
    bf16 mul): 16 at a time. sigmoid from exp(-|x|), so exp16 never sees x > 0. */
-static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o, __mmask16 k) {
-    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, gate)), 16));
-    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, up)), 16));
+static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o) {
+    const __m512 x = load16(gate), u = load16(up);
     const __m512 one = _mm512_set1_ps(1.f);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
     const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
@@ -356,8 +355,7 @@ static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o, __mmask
     float sv[16], uv[16];
     _mm512_storeu_ps(sv, s);
     _mm512_storeu_ps(uv, u);
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) o[i] = f2b(b2f(f2b(sv[i])) * uv[i]);
+    for (int i = 0; i < 16; i++) o[i] = f2b(b2f(f2b(sv[i])) * uv[i]);
 }
 
 /* One decoder layer of a decode step for a few rows (the GEMV's batch sizes), in one
@@ -399,10 +397,9 @@ int slotune_decode_layer_bf16(const bf16 *x_in, bf16 *x_out, const bf16 *norm1,
             for (int64_t m = 0; m < M; m++) rms_row(x_out + m * d, norm2, h + m * d, d, eps2);
             gemv_for(h, gate_up_p, NULL, gu, M, 2 * I, d);
 #pragma omp for schedule(static)
-            for (int64_t c = 0; c < M * I; c += 16) {
+            for (int64_t c = 0; c < M * I; c += 16) { /* I % 16 == 0: no chunk spans rows */
                 const int64_t m = c / I, i = c % I;
-                const __mmask16 k = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
-                silu_mul16(gu + m * 2 * I + i, gu + m * 2 * I + I + i, act + m * I + i, k);
+                silu_mul16(gu + m * 2 * I + i, gu + m * 2 * I + I + i, act + m * I + i);
             }
             gemv_for(act, down_p, x_out, x_out, M, d, I);
         }
