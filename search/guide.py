@@ -16,7 +16,14 @@ nothing feasible yet it comes down at most ``max_step_down`` (8x) per step. Belo
 the smallest measured batch the roofline is flat where p99 TPOT is not (per-step
 overhead and prefill interference shrink with the batch), so there p99 TPOT is
 taken to fall at least like ``B**min_elasticity`` (0.5) from the measured point:
-a seed a few percent over the SLO leads a few tens of percent down, not 8x. Guidance ends when the
+a seed a few percent over the SLO leads a few tens of percent down, not 8x. While a
+single batch ``b0`` has been measured, the correction below it is one factor carried
+over a distance, so the TPOT aim there is lowered by ``extrapolation_discount`` (0.25)
+per unit of ``ln(b0/B)``, to no less than ``min_aim_factor`` (0.6) of the aim: from a
+seed 2x over the SLO the next step lands inside it rather than at its edge, where one
+more window could not confirm it. :meth:`Guide.ceiling` is the goodput the models
+predict at the largest batch they put within both SLOs; the tuner re-measures a point
+at once when it is within its gain threshold of that. Guidance ends when the
 bracket is narrower than ``resolution``, after ``max_steps``, or when it would
 propose a knob already measured; the tuner then re-measures and samples. The
 admission headroom is kept from the seed, its log halved per TTFT violation.
@@ -48,6 +55,10 @@ class Guide:
     # Below the smallest measured batch, assume p99 TPOT falls at least like B**this (the
     # peak roofline is flat there, and would send a small overshoot far down).
     min_elasticity: float = 0.5
+    # Below the smallest measured batch b0 the correction is extrapolated: aim lower there,
+    # by this fraction per unit of ln(b0/B), down to ``min_aim_factor`` of the aim.
+    extrapolation_discount: float = 0.25
+    min_aim_factor: float = 0.6
 
     def __post_init__(self) -> None:
         for name in ("aim", "ttft_aim"):
@@ -56,6 +67,12 @@ class Guide:
                 raise ValueError(f"{name}={v!r}: must be in (0, 1]")
         if self.max_steps < 0:
             raise ValueError(f"max_steps={self.max_steps!r}: must be >= 0")
+        if not (math.isfinite(self.extrapolation_discount) and self.extrapolation_discount >= 0):
+            raise ValueError(
+                f"extrapolation_discount={self.extrapolation_discount!r}: must be a number >= 0"
+            )
+        if not 0 < self.min_aim_factor <= 1:
+            raise ValueError(f"min_aim_factor={self.min_aim_factor!r}: must be in (0, 1]")
         if not 0 <= self.min_elasticity <= 1:
             raise ValueError(f"min_elasticity={self.min_elasticity!r}: must be in [0, 1]")
         if not (math.isfinite(self.max_step_down) and self.max_step_down > 1):
@@ -108,19 +125,41 @@ class Guide:
 
         return tpot
 
+    def aim_at(self, points: Sequence[PointSummary]) -> Callable[[int], float]:
+        """The TPOT aim at batch B (a fraction of the SLO): ``aim``, lowered below the
+        smallest measured batch ``b0`` by ``extrapolation_discount`` per unit of
+        ``ln(b0/B)``, to no less than ``min_aim_factor·aim``."""
+        measured = [
+            p.knobs.max_batch_size
+            for p in points
+            if math.isfinite(p.tpot_p99_s) and p.tpot_p99_s > 0
+        ]
+        b0 = min(measured, default=None)
+        single = len(set(measured)) == 1
+
+        def aim(b: int) -> float:
+            if b0 is None or b >= b0 or not single:
+                return self.aim
+            f = 1.0 - self.extrapolation_discount * math.log(b0 / b)
+            return self.aim * max(self.min_aim_factor, f)
+
+        return aim
+
     def _tpot_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
         tpot = self.predict_tpot(points)
-        goal = self.aim * self.slo.tpot_p99_s
+        aim = self.aim_at(points)
         best = lo
         for b in _log_candidates(lo, hi):
-            if tpot(b) <= goal:
+            if tpot(b) <= aim(b) * self.slo.tpot_p99_s:
                 best = max(best, b)
         return best
 
-    def _ttft_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
+    def _ttft_batch(
+        self, points: Sequence[PointSummary], lo: int, hi: int, aim: float | None = None
+    ) -> int:
         """Largest batch whose TTFT, extrapolated in log-log from the measured points
         (slope from the two nearest, clamped to [0.5, 3]; 1 with one point), meets
-        ``ttft_aim · SLO``."""
+        ``ttft_aim · SLO`` (``aim · SLO`` when given)."""
         pts = sorted(
             (p.knobs.max_batch_size, p.ttft_p99_s)
             for p in points
@@ -128,7 +167,7 @@ class Guide:
         )
         if not pts:
             return hi
-        goal = self.ttft_aim * self.slo.ttft_p99_s
+        goal = (self.ttft_aim if aim is None else aim) * self.slo.ttft_p99_s
 
         def predict(b: int) -> float:
             near = sorted(pts, key=lambda q: abs(math.log(q[0] / b)))[:2]
@@ -145,6 +184,25 @@ class Guide:
             if predict(b) <= goal:
                 best = max(best, b)
         return best
+
+    def ceiling(self, points: Sequence[PointSummary], best: PointSummary) -> float:
+        """The throughput the models predict at the largest batch they put within both SLOs
+        (TPOT and TTFT at 1·SLO, no discount): ``best``'s measured throughput scaled by
+        ``B / TPOT(B)`` (a full batch decoding); ``best``'s own when that batch is not
+        above it, nan when ``best`` has no throughput."""
+        thr = best.throughput_rps if math.isfinite(best.throughput_rps) else best.goodput_rps
+        bf = best.knobs.max_batch_size
+        if not (math.isfinite(thr) and thr > 0):
+            return math.nan
+        lo, hi = self.space.batch_min, self.space.batch_max
+        tpot = self.predict_tpot(points)
+        slo = self.slo.tpot_p99_s
+        bm = max((b for b in _log_candidates(lo, hi) if tpot(b) <= slo), default=lo)
+        bm = min(bm, self._ttft_batch(points, lo, hi, aim=1.0))
+        tf, tm = tpot(bf), tpot(bm)
+        if bm <= bf or not (tf > 0 and tm > 0):
+            return thr
+        return thr * (bm / tm) / (bf / tf)
 
     def bracket(self, points: Sequence[PointSummary]) -> tuple[int | None, int | None]:
         """(largest batch measured feasible, smallest batch above it not proven feasible).

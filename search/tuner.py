@@ -198,8 +198,10 @@ class Tuner:
         # the SLO in at least as many windows as not) is measured again at once when little
         # is left above it: its goodput is within `declare_gain` of the throughput measured
         # at the nearest larger batch not proven feasible (a ceiling under a saturating
-        # load), or there is no guidance. Otherwise guidance goes on and the
-        # re-measurement waits until it is over.
+        # load) or of what the guide's models predict at the largest batch they put within
+        # the SLO (`Guide.ceiling`, the lower of the two; only once the point was measured
+        # feasible or something is declared), or there is no guidance. Otherwise guidance
+        # goes on and the re-measurement waits until it is over.
         rule = self.stop_rule
         declared = incumbent(
             points, confirmations=rule.confirmations, larger_batch_within=rule.larger_batch_within
@@ -207,6 +209,10 @@ class Tuner:
         best = open_best(points, confirmations=rule.confirmations)
         if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
             top = ceiling(points, best)
+            if self._guide is not None and (best.feasible or declared is not None):
+                model_top = self._guide.ceiling(points, best)
+                if math.isfinite(model_top) and not model_top >= top:
+                    top = model_top
             if self._guide is None or (
                 math.isfinite(top) and best.goodput_rps >= (1 - self.declare_gain) * top
             ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -222,7 +223,14 @@ def test_stop_rule_presets_and_validation() -> None:
 
 
 def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
-    guide = Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, aim=1.0, ttft_aim=1.0)
+    guide = Guide(
+        model_tpot_s=model_tpot,
+        space=SPACE,
+        slo=SLO,
+        aim=1.0,
+        ttft_aim=1.0,
+        extrapolation_discount=0.0,
+    )
     # Measured at B=70: 2x the model. Constant factor 2 -> 2 (0.008 + 0.0006 b) <= 0.05.
     pts = [
         PointSummary(
@@ -241,6 +249,49 @@ def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
     assert guide.correction(pts)(70) == pytest.approx(2.0)
     # The models say 28; nothing is feasible yet, so the step is bounded to [70/8, 0.9*70].
     assert guide.target_batch(pts) == 28
+
+
+def test_guide_aims_lower_when_it_extrapolates_from_one_batch() -> None:
+    """From a single measured batch the aim below it falls by 0.25 per unit of ln(b0/B),
+    floored at 0.6 of the aim: 2x over at B=70 leads to 11 (2 (0.008 + 0.0006 B) <=
+    0.6 * 0.05), not to the undiscounted 28; a second measured batch ends the discount."""
+    guide = Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, aim=1.0, ttft_aim=1.0)
+    pts = [_over(70, 2 * model_tpot(70))]
+    aim = guide.aim_at(pts)
+    assert aim(70) == aim(100) == 1.0
+    assert aim(35) == pytest.approx(1 - 0.25 * math.log(2))
+    assert aim(5) == pytest.approx(0.6)
+    assert guide.target_batch(pts) == 11
+    two = [*pts, _over(40, 2 * model_tpot(40))]
+    assert guide.aim_at(two)(10) == 1.0
+    with pytest.raises(ValueError, match="min_aim_factor"):
+        Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, min_aim_factor=0.0)
+
+
+def test_guide_ceiling_is_the_goodput_predicted_at_the_largest_batch_within_the_slo() -> None:
+    guide = Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO)
+    feasible = PointSummary(
+        knobs=Knobs(max_batch_size=20, max_concurrency=20),
+        measurements=1,
+        goodput_rps=50.0,
+        throughput_rps=50.0,
+        feasible=True,
+        ttft_p99_s=0.3,
+        tpot_p99_s=2 * model_tpot(20),
+        ttft_ok=True,
+        tpot_ok=True,
+        first_trial=0,
+        last_trial=0,
+    )
+    # Corrected TPOT 2 (0.008 + 0.0006 B) <= 0.05 up to B=28; TTFT (slope 1 from 0.3 s at
+    # 20) allows 66: the ceiling is 50 req/s scaled by (28 / TPOT(28)) / (20 / TPOT(20)).
+    want = 50.0 * (28 / (2 * model_tpot(28))) / (20 / (2 * model_tpot(20)))
+    assert guide.ceiling([feasible], feasible) == pytest.approx(want)
+    # At the largest batch within the SLO the ceiling is its own throughput.
+    at_top = dataclasses.replace(
+        feasible, knobs=Knobs(max_batch_size=28, max_concurrency=28), tpot_p99_s=2 * model_tpot(28)
+    )
+    assert guide.ceiling([at_top], at_top) == pytest.approx(50.0)
 
 
 def _over(b: int, tpot: float) -> PointSummary:
@@ -269,9 +320,20 @@ def test_guide_does_not_dive_on_a_flat_roofline() -> None:
     space = SearchSpace(batch_min=1, batch_max=512)
     pts = [_over(400, 0.042)]  # 5% over the 0.04 s SLO
     slo = Slo(ttft_p99_s=1.0, tpot_p99_s=0.04)
-    guide = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0)
+    undiscounted = Guide(
+        model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0, extrapolation_discount=0.0
+    )
     want = 400 * (0.97 * 0.04 / 0.042) ** 2  # ~341
-    assert abs(guide.target_batch(pts) - want) <= 2
+    assert abs(undiscounted.target_batch(pts) - want) <= 2
+    # With the default discount of the aim below a single measured batch: the largest B
+    # with 0.042 (B/400)^0.5 <= 0.97 (1 - 0.25 ln(400/B)) 0.04, ~287 (still no dive).
+    guide = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0)
+    ok = [
+        b
+        for b in range(1, 401)
+        if 0.042 * (b / 400) ** 0.5 <= 0.97 * 0.04 * (1 - 0.25 * math.log(400 / b))
+    ]
+    assert abs(guide.target_batch(pts) - max(ok)) <= 2 and max(ok) > 250
     roofline_only = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0, min_elasticity=0)
     assert roofline_only.target_batch(pts) == 400 // 8  # the floor: max_step_down
     with pytest.raises(ValueError, match="min_elasticity=2"):
