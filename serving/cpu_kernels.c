@@ -276,6 +276,17 @@ static int check_rows(const int64_t *positions, const int64_t *slots, int64_t B,
     return 0;
 }
 
+/* A thread's attention scratch, g * (L + 16) floats; on failure sets *failed (read by
+   every thread after the next barrier) and returns NULL. */
+static float *thread_scratch(int64_t g, int64_t L, int *failed) {
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(g * (L + 16)));
+    if (sc == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return sc;
+}
+
 /* The decode attention of one layer as a worksharing loop over (sequence, KV head)
    pairs: call it inside a parallel region, sc a thread's own scratch of g * (L + 16)
    floats. Arguments as slotune_decode_attention_bf16's. */
@@ -327,11 +338,7 @@ int slotune_decode_attention_bf16(const bf16 *qkv, bf16 *cache, const bf16 *cos_
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)((H / Hkv) * (L + 16)));
-        if (sc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *sc = thread_scratch(H / Hkv, L, &failed);
 #pragma omp barrier
         if (!failed)
             attention_for(qkv, cache, cos_t, sin_t, positions, slots, out, B, H, Hkv, D, S, L,
@@ -380,11 +387,7 @@ int slotune_decode_layer_bf16(const bf16 *x_in, bf16 *x_out, const bf16 *norm1,
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)((H / Hkv) * (L + 16)));
-        if (sc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *sc = thread_scratch(H / Hkv, L, &failed);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) rms_row(x_in + m * d, norm1, h + m * d, d, eps1);
         /* the loop's barrier also publishes `failed` */

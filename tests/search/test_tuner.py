@@ -232,20 +232,7 @@ def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
         extrapolation_discount=0.0,
     )
     # Measured at B=70: 2x the model. Constant factor 2 -> 2 (0.008 + 0.0006 b) <= 0.05.
-    pts = [
-        PointSummary(
-            knobs=Knobs(max_batch_size=70, max_concurrency=70),
-            measurements=1,
-            goodput_rps=0.0,
-            feasible=False,
-            ttft_p99_s=0.3,
-            tpot_p99_s=2 * model_tpot(70),
-            ttft_ok=True,
-            tpot_ok=False,
-            first_trial=0,
-            last_trial=0,
-        )
-    ]
+    pts = [_over(70, 2 * model_tpot(70))]
     assert guide.correction(pts)(70) == pytest.approx(2.0)
     # The models say 28; nothing is feasible yet, so the step is bounded to [70/8, 0.9*70].
     assert guide.target_batch(pts) == 28
