@@ -135,8 +135,8 @@ class MLP(FusedHF):
 
 
 class Block(nn.Module):
-    # Set by Transformer.use_cpu_kernels when all four linears have GEMV copies: decode
-    # steps of up to GEMV_MAX_ROWS rows then run the whole layer in one C call.
+    # Set by Transformer.use_cpu_kernels: decode steps of up to GEMV_MAX_ROWS rows run
+    # the whole layer in one C call while all four linears have GEMV copies.
     fused: bool = False
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -146,6 +146,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
+    def _gemv_copies(self) -> bool:
+        a, m = self.self_attn, self.mlp
+        lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        return all(lin.rows8 is not None for lin in lins)
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:  # x: [B, T, d]
         if (
             self.fused
@@ -153,6 +158,7 @@ class Block(nn.Module):
             and x.shape[0] <= GEMV_MAX_ROWS
             and x.dtype == torch.bfloat16
             and x.is_contiguous()
+            and self._gemv_copies()
         ):
             return ctx.kernels.decode_layer(x, self, ctx)
         # ``.forward`` called directly: ``nn.Module.__call__`` costs ~2 us of CPU and
@@ -283,9 +289,7 @@ class Transformer(nn.Module):
                     m.kernels = k if gemv else None
                     m.rows8 = k.pack_rows8(m.weight) if gemv else None
         for layer in self.model.layers:
-            lins = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
-            lins += (layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            layer.fused = all(lin.rows8 is not None for lin in lins)
+            layer.fused = layer._gemv_copies()
         return k is not None
 
     def allocate_cache(self, max_slots: int, max_len: int) -> None:

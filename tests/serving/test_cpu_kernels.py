@@ -123,6 +123,13 @@ def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
         with torch.inference_mode():
             out.append((m(tokens, pos, slots), [c.clone() for c in m.caches()]))
     assert len(calls) == (len(m.model.layers) if rows <= GEMV_MAX_ROWS else 0)
+    # A layer whose GEMV copies were dropped after the fact runs op by op, not on None.
+    for layer in m.model.layers:
+        layer.fused = True
+    m.model.layers[0].self_attn.o_proj.rows8 = None
+    with torch.inference_mode():
+        m(tokens, pos, slots)
+    assert len(calls) == (2 * len(m.model.layers) - 1 if rows <= GEMV_MAX_ROWS else 0)
     (lf, cf), (lo, co) = out
     assert torch.equal(lf, lo)
     assert all(torch.equal(a, b) for a, b in zip(cf, co, strict=True))

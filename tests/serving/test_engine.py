@@ -268,7 +268,11 @@ def test_async_many_streams_with_cancellations_leak_nothing(async_engine) -> Non
 
     async def one(i):
         got = []
-        async for t in aeng.generate([i + 1, 2], max_tokens=3 + i % 4):
+        # A client that leaves after 2 tokens asks for 40, so its request cannot finish
+        # in the moment between its second token and its cancellation (with 3 it could,
+        # on a fast step, and then counted as finished).
+        leaves = i % 3 == 0
+        async for t in aeng.generate([i + 1, 2], max_tokens=40 if leaves else 3 + i % 4):
             got.append(t)
             if i % 3 == 0 and len(got) == 2:
                 break  # a client that leaves early
