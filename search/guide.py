@@ -145,9 +145,17 @@ class Guide:
 
         return aim
 
-    def _tpot_batch(self, points: Sequence[PointSummary], lo: int, hi: int) -> int:
+    def _tpot_batch(
+        self,
+        points: Sequence[PointSummary],
+        lo: int,
+        hi: int,
+        aim: Callable[[int], float] | None = None,
+    ) -> int:
+        """Largest batch in [lo, hi] whose corrected TPOT meets ``aim(B) · SLO`` (default
+        :meth:`aim_at`); ``lo`` when none does."""
         tpot = self.predict_tpot(points)
-        aim = self.aim_at(points)
+        aim = aim or self.aim_at(points)
         best = lo
         for b in _log_candidates(lo, hi):
             if tpot(b) <= aim(b) * self.slo.tpot_p99_s:
@@ -196,8 +204,7 @@ class Guide:
             return math.nan
         lo, hi = self.space.batch_min, self.space.batch_max
         tpot = self.predict_tpot(points)
-        slo = self.slo.tpot_p99_s
-        bm = max((b for b in _log_candidates(lo, hi) if tpot(b) <= slo), default=lo)
+        bm = self._tpot_batch(points, lo, hi, aim=lambda b: 1.0)
         bm = min(bm, self._ttft_batch(points, lo, hi, aim=1.0))
         tf, tm = tpot(bf), tpot(bm)
         if bm <= bf or not (tf > 0 and tm > 0):
