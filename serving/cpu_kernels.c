@@ -54,11 +54,28 @@ static inline bf16 f2b(float f) { /* round to nearest even, as torch rounds */
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
+/* The GEMV and whole-layer kernels are built for one of two instruction sets: AVX-512
+   with bf16 dot products (VECTOR_PATH: vdpbf16ps, and the vector attention), or AVX2
+   with FMA (AVX2_PATH: bf16 widened to fp32, fp32 FMAs; attention on the scalar path,
+   which the compiler vectorizes). Without either only attention and RMSNorm are built. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define VECTOR_PATH 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define AVX2_PATH 1
+#endif
+#if defined(VECTOR_PATH) || defined(AVX2_PATH)
+#define GEMV_PATH 1
+#include <immintrin.h>
+#endif
+
+/* Returns the path built: 1 AVX-512 bf16, 2 AVX2, 0 scalar only (no GEMV). */
 int slotune_kernel_limits(int64_t *max_head_dim, int64_t *max_group) {
     *max_head_dim = MAX_HEAD_DIM;
     *max_group = MAX_GROUP;
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-    return 1; /* the vector path is built */
+#if defined(VECTOR_PATH)
+    return 1;
+#elif defined(AVX2_PATH)
+    return 2;
 #else
     return 0;
 #endif
@@ -126,11 +143,7 @@ static void attend_scalar(bf16 qr[][MAX_HEAD_DIM], const bf16 *kc, const bf16 *v
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define VECTOR_PATH 1
-#define VEC_MAX_GROUP 8
-
+#ifdef GEMV_PATH
 /* p [O * I] from w [O, I] (row-major): for each block of 8 rows, for each 32-column
    chunk, the 8 rows' 32 values one after another. O % 8 == 0, I % 32 == 0. */
 void slotune_pack_rows8_bf16(const bf16 *w, bf16 *p, int64_t O, int64_t I) {
@@ -138,6 +151,10 @@ void slotune_pack_rows8_bf16(const bf16 *w, bf16 *p, int64_t O, int64_t I) {
         for (int64_t i = 0; i < I; i += 32)
             for (int64_t r = 0; r < 8; r++, p += 32) memcpy(p, w + (o0 + r) * I + i, 64);
 }
+#endif
+
+#ifdef VECTOR_PATH
+#define VEC_MAX_GROUP 8
 
 static inline void gemv_store(const __m512 a[8], bf16 *o, const bf16 *res) {
     for (int r = 0; r < 8; r++) {
@@ -188,11 +205,6 @@ static void gemv_for(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, i
     }
 }
 
-void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
-                       int64_t O, int64_t I, int nthreads) {
-#pragma omp parallel num_threads(nthreads)
-    gemv_for(x, p, res, out, M, O, I);
-}
 
 /* exp(x) for x <= 0: 2^(x log2 e) as 2^n * p(f), |f| <= 1/2, degree-6 polynomial
    (relative error ~2e-7, below bf16's 4e-3 the result is rounded to). */
@@ -264,6 +276,131 @@ static inline __attribute__((always_inline)) void attend_vec(
     }
     for (int64_t j = 0; j < g; j++)
         for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(acc[j] + 16 * c, a[j][c]);
+}
+#endif
+
+#ifdef AVX2_PATH
+static inline __m256 cvt8(const bf16 *p) { /* 8 bf16 -> 8 fp32 */
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void gemv_store8(const __m256 *a, int n, bf16 *o, const bf16 *res) {
+    for (int r = 0; r < n; r++) {
+        const float v = hsum8(a[r]);
+        o[r] = f2b(res ? v + b2f(res[r]) : v);
+    }
+}
+
+/* gemv_for as on the AVX-512 path (same layout, arguments and worksharing), in fp32 FMAs
+   on bf16 widened without a shuffle: a 256-bit load holds 16 bf16 as 8 pairs, and the
+   pair's high element is the 32-bit lane with its low half cleared, its low element the
+   lane shifted left by 16. Each lane sums its pairs' two products (the even, then the
+   odd column) across the row. AVX2 has 16 vector registers: two rows of x go through
+   half a block (4 weight rows) at a time, a lone row through the whole block; each
+   (row of x, weight row) sum takes its terms in the same order either way, so a row's
+   result does not depend on the batch it is in. */
+#define EVEN16(v) _mm256_castsi256_ps(_mm256_slli_epi32((v), 16))
+#define ODD16(v) _mm256_castsi256_ps(_mm256_and_si256((v), _mm256_set1_epi32((int)0xffff0000u)))
+static inline __m256i load256(const bf16 *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+static void gemv_for(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
+                     int64_t O, int64_t I) {
+#pragma omp for schedule(static)
+    for (int64_t o0 = 0; o0 < O; o0 += 8) {
+        const bf16 *blk = p + o0 * I;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            const bf16 *x0 = x + m * I, *x1 = x0 + I;
+            for (int h = 0; h < 8; h += 4) {
+                __m256 a[4], b[4];
+                for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < I; i += 32) {
+                    const bf16 *c = blk + i * 8 + 32 * h;
+                    for (int k = 0; k < 32; k += 16) {
+                        const __m256i v0 = load256(x0 + i + k), v1 = load256(x1 + i + k);
+                        const __m256 x0e = EVEN16(v0), x0o = ODD16(v0);
+                        const __m256 x1e = EVEN16(v1), x1o = ODD16(v1);
+                        for (int r = 0; r < 4; r++) {
+                            const __m256i w = load256(c + 32 * r + k);
+                            const __m256 we = EVEN16(w), wo = ODD16(w);
+                            a[r] = _mm256_fmadd_ps(wo, x0o, _mm256_fmadd_ps(we, x0e, a[r]));
+                            b[r] = _mm256_fmadd_ps(wo, x1o, _mm256_fmadd_ps(we, x1e, b[r]));
+                        }
+                    }
+                }
+                const int64_t at = o0 + h;
+                gemv_store8(a, 4, out + m * O + at, res ? res + m * O + at : NULL);
+                gemv_store8(b, 4, out + (m + 1) * O + at, res ? res + (m + 1) * O + at : NULL);
+            }
+        }
+        for (; m < M; m++) {
+            const bf16 *xm = x + m * I;
+            __m256 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < I; i += 32) {
+                const bf16 *c = blk + i * 8;
+                for (int k = 0; k < 32; k += 16) {
+                    const __m256i v = load256(xm + i + k);
+                    const __m256 xe = EVEN16(v), xo = ODD16(v);
+                    for (int r = 0; r < 8; r++) {
+                        const __m256i w = load256(c + 32 * r + k);
+                        a[r] = _mm256_fmadd_ps(ODD16(w), xo, _mm256_fmadd_ps(EVEN16(w), xe, a[r]));
+                    }
+                }
+            }
+            gemv_store8(a, 8, out + m * O + o0, res ? res + m * O + o0 : NULL);
+        }
+    }
+}
+
+/* exp(x) for x <= 0, as exp16 on the AVX-512 path (the same polynomial); 2^n built in
+   the exponent bits (n >= -126 after the clamp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* silu_mul16 of the AVX-512 path, 8 at a time, twice. */
+static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o) {
+    for (int k = 0; k < 16; k += 8) {
+        const __m256 x = cvt8(gate + k), u = cvt8(up + k), zero = _mm256_setzero_ps();
+        const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
+        const __m256 e = exp8(_mm256_sub_ps(zero, ax));
+        const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
+        const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
+        const __m256 s = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        float sv[8], uv[8];
+        _mm256_storeu_ps(sv, s);
+        _mm256_storeu_ps(uv, u);
+        for (int i = 0; i < 8; i++) o[k + i] = f2b(b2f(f2b(sv[i])) * uv[i]);
+    }
+}
+#endif
+
+#ifdef GEMV_PATH
+void slotune_gemv_bf16(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, int64_t M,
+                       int64_t O, int64_t I, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemv_for(x, p, res, out, M, O, I);
 }
 #endif
 
@@ -364,7 +501,9 @@ static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o) {
     _mm512_storeu_ps(uv, u);
     for (int i = 0; i < 16; i++) o[i] = f2b(b2f(f2b(sv[i])) * uv[i]);
 }
+#endif
 
+#ifdef GEMV_PATH
 /* One decoder layer of a decode step for a few rows (the GEMV's batch sizes), in one
    parallel region: x_out = h + down(silu(gate) * up) of norm2(h), h = x + o(attention
    of qkv(norm1(x))). The same steps, roundings and kernels as the layer run op by op

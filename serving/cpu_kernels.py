@@ -52,6 +52,7 @@ FLAGS = (
 ENV_SWITCH = "SLOTUNE_CPU_KERNELS"
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+PATHS = {1: "AVX-512 bf16", 2: "AVX2"}  # slotune_kernel_limits' return -> the GEMV's path
 
 
 class Kernels:
@@ -69,9 +70,13 @@ class Kernels:
         limits.argtypes = [ctypes.POINTER(_I), ctypes.POINTER(_I)]
         limits.restype = ctypes.c_int
         d, g = _I(), _I()
-        self.vector_path = bool(limits(ctypes.byref(d), ctypes.byref(g)))
+        built = limits(ctypes.byref(d), ctypes.byref(g))
         self.max_head_dim, self.max_group = d.value, g.value
-        if self.vector_path:  # built only with AVX-512 bf16
+        # The instruction set the GEMV and whole-layer kernels were built for (see
+        # cpu_kernels.c): "AVX-512 bf16", "AVX2" (bf16 widened to fp32), or None.
+        self.gemv_isa = PATHS.get(built)
+        self.vector_path = built == 1  # AVX-512 bf16: the vector attention too
+        if self.gemv_isa is not None:
             self._pack = lib.slotune_pack_rows8_bf16
             self._pack.argtypes = [_P, _P, _I, _I]
             self._pack.restype = None
@@ -85,7 +90,7 @@ class Kernels:
             self._layer.restype = ctypes.c_int
 
     def supports_gemv(self, out_features: int, in_features: int) -> bool:
-        return self.vector_path and out_features % 8 == 0 and in_features % 32 == 0
+        return self.gemv_isa is not None and out_features % 8 == 0 and in_features % 32 == 0
 
     def pack_rows8(self, weight: torch.Tensor) -> torch.Tensor:
         """The GEMV's copy of a bf16 weight [O, I] (see :meth:`gemv`)."""
@@ -314,7 +319,7 @@ def load() -> Kernels | None:
     logger.info(
         "CPU kernels loaded from %s (%s path)",
         path,
-        "AVX-512 bf16" if kernels.vector_path else "scalar",
+        kernels.gemv_isa or "scalar, no GEMV",
     )
     return kernels
 

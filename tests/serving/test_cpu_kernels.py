@@ -81,16 +81,19 @@ def test_kernel_step_with_gemv_matches_torch_ops(shape: str) -> None:
     m = model_of(shape)
     assert m.use_cpu_kernels()
     gemvs = [x for x in m.modules() if isinstance(x, Linear) and x.rows8 is not None]
-    assert len(gemvs) == (4 * 2 + 1 if KERNELS.vector_path else 0)  # 4 a layer, lm_head
+    assert len(gemvs) == (4 * 2 + 1 if KERNELS.gemv_isa else 0)  # 4 a layer, lm_head
     (lk, ck_), (lt, ct) = decode_both(m, [0, 17, 63, 5], [3, 0, 1, 4])
     for a, b in zip(ck_, ct, strict=True):  # fp32 sums in another order: bf16 rounding
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
     torch.testing.assert_close(lk, lt, atol=0.05, rtol=0.05)
 
 
-@pytest.mark.skipif(
-    KERNELS is None or not KERNELS.vector_path, reason="the GEMV needs AVX-512 bf16"
+needs_gemv = pytest.mark.skipif(
+    KERNELS is None or KERNELS.gemv_isa is None, reason="the GEMV needs AVX-512 bf16 or AVX2"
 )
+
+
+@needs_gemv
 @pytest.mark.parametrize("shape", ["small-like", "tiny"])
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
@@ -135,9 +138,7 @@ def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
     assert all(torch.equal(a, b) for a, b in zip(cf, co, strict=True))
 
 
-@pytest.mark.skipif(
-    KERNELS is None or not KERNELS.vector_path, reason="the GEMV needs AVX-512 bf16"
-)
+@needs_gemv
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_gemv_computes_the_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -151,6 +152,10 @@ def test_gemv_computes_the_linear(rows: int) -> None:
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
     got_res = KERNELS.gemv(x, packed, 40, res)
     torch.testing.assert_close(got_res.float(), want + res.float(), atol=2e-2, rtol=1e-2)
+    # A row's bits do not depend on the rows beside it (pairs and lone rows take their
+    # sums in the same order): each row alone gives what it gave in the batch.
+    for r in range(rows):
+        assert torch.equal(KERNELS.gemv(x[r : r + 1], packed, 40), got[r : r + 1])
     # The model's Linear takes it up to GEMV_MAX_ROWS rows, oneDNN/torch beyond.
     lin = Linear(96, 40)
     with torch.no_grad():
