@@ -11,6 +11,7 @@ layout.
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    # An fp32 copy of the weight where bf16 matmuls are not native here (widens_bf16): the
+    # linear then multiplies in fp32 and rounds to bf16 once. Set by Transformer.prepack.
+    w32: torch.Tensor | None = None
     # serving/cpu_kernels.py's GEMV and its copy of the weight, used for at most
     # GEMV_MAX_ROWS rows of input (decode at small batch); set by Transformer.use_cpu_kernels.
     kernels: Any = None
@@ -65,6 +69,8 @@ class Linear(nn.Linear):
             return self.kernels.gemv(x, self.rows8, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.w32 is not None and x.dtype == torch.bfloat16:
+            return F.linear(x.float(), self.w32).to(x.dtype)
         return F.linear(x, self.weight)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -74,19 +80,39 @@ class Linear(nn.Linear):
             return self.kernels.gemv(x, self.rows8, self.out_features, residual)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+        if self.w32 is not None and x.dtype == torch.bfloat16:
+            out = torch.addmm(
+                residual.reshape(-1, self.out_features).float(),
+                x.reshape(-1, x.shape[-1]).float(),
+                self.w32.t(),
+            )
+            return out.to(residual.dtype).view(residual.shape)
         out = torch.addmm(
             residual.reshape(-1, self.out_features), x.reshape(-1, x.shape[-1]), self.weight.t()
         )
         return out.view(residual.shape)
 
 
+@lru_cache(maxsize=1)
+def bf16_matmul_native() -> bool:
+    """Whether this CPU multiplies bf16 matrices in bf16 hardware (oneDNN's kernels for
+    avx512_bf16 or AMX). Where it does not (an AVX2-only EPYC, 2026-12-03), torch's CPU bf16
+    GEMMs are a slow fallback: a [32, 768] x [768, 4096] linear took 16.8 ms against 4.8 ms
+    in fp32, a 1024^3 matmul 0.8 against 68 GFLOP/s (one thread each)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether the weight gets a oneDNN-prepacked copy (CPU bf16 on native bf16 hardware)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bf16_matmul_native()
+
+
+def widens_bf16(weight: torch.Tensor) -> bool:
+    """Whether the weight gets an fp32 copy for its GEMMs instead (CPU bf16 without native
+    bf16 matmuls): bf16 inputs widen exactly, the sums are fp32 as in a bf16 GEMM, and the
+    result is rounded to bf16 once."""
+    cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    return cpu_bf16 and not bf16_matmul_native()
 
 
 def _split_fused(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:

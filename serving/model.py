@@ -39,7 +39,14 @@ from torch import nn
 
 from serving import cpu_kernels
 from serving.config import ModelConfig
-from serving.fused_linear import GEMV_MAX_ROWS, FusedHF, Linear, can_prepack
+from serving.fused_linear import (
+    GEMV_MAX_ROWS,
+    FusedHF,
+    Linear,
+    bf16_matmul_native,
+    can_prepack,
+    widens_bf16,
+)
 from serving.layers import ROPE_TABLE_DEFAULT, RMSNorm, apply_rope_, rope_tables
 from serving.step_context import StepContext
 
@@ -114,9 +121,19 @@ class Attention(FusedHF):
         # the GEMM's addend and 1/sqrt(D) its alpha (a power of two for D = 64: the
         # same bits as scaling after it). Softmax of a bf16 input computes in fp32
         # and rounds once, as float-softmax-cast did: 2 ops where there were 6.
-        scores = torch.baddbmm(ctx.mask, qg, keys.transpose(1, 2), alpha=d**-0.5)
+        # Without bf16 matmul hardware (see Linear.w32) both GEMMs run in fp32 on widened
+        # inputs, each result rounded to bf16 as a bf16 GEMM rounds it.
+        wide = qg.dtype == torch.bfloat16 and qg.device.type == "cpu" and not bf16_matmul_native()
+        if wide:
+            kt = keys.transpose(1, 2).float()
+            scores = torch.baddbmm(ctx.mask.float(), qg.float(), kt, alpha=d**-0.5).to(qg.dtype)
+        else:
+            scores = torch.baddbmm(ctx.mask, qg, keys.transpose(1, 2), alpha=d**-0.5)
         probs = torch.softmax(scores, dim=-1)  # [B*Hkv, g*T, Lk]
-        out = torch.bmm(probs, values)  # [B*Hkv, g*T, D]
+        if wide:
+            out = torch.bmm(probs.float(), values.float()).to(qg.dtype)  # [B*Hkv, g*T, D]
+        else:
+            out = torch.bmm(probs, values)  # [B*Hkv, g*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
         return out
 
@@ -246,17 +263,21 @@ class Transformer(nn.Module):
 
     def prepack(self, enable: bool = True) -> bool:
         """Use oneDNN-prepacked weights for every linear (CPU bf16 only; see ``Linear``).
+        On a CPU without native bf16 matmuls (``widens_bf16``) each linear keeps an fp32
+        copy of its weight for its GEMMs instead (and attention multiplies in fp32 there).
 
-        Returns whether packing is on. Call after the model is on its device;
-        ``prepack(False)`` drops the packed copies.
+        Returns whether oneDNN packing is on. Call after the model is on its device;
+        ``prepack(False)`` drops the packed and fp32 copies.
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         on = enable and can_prepack(self.lm_head.weight)
+        widen = enable and widens_bf16(self.lm_head.weight)
         with torch.no_grad():
             for m in linears:
                 m.packed = (
                     torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1) if on else None
                 )
+                m.w32 = m.weight.detach().float() if widen else None
         return on
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), .cuda(), ...

@@ -186,6 +186,39 @@ def test_prepacked_linears_are_bit_identical() -> None:
     assert m.prepack(False) is False and m.lm_head.packed is None
 
 
+@torch.inference_mode()
+def test_without_bf16_hardware_linears_and_attention_multiply_in_fp32(monkeypatch) -> None:
+    """Where the CPU has no bf16 matmul hardware (torch's bf16 GEMMs are a slow fallback),
+    prepack gives each linear an fp32 copy and the GEMMs run in fp32, rounded to bf16."""
+    import serving.fused_linear as fl
+    import serving.model as sm
+
+    for mod in (fl, sm):
+        monkeypatch.setattr(mod, "bf16_matmul_native", lambda: False)
+    m = Transformer.random(ModelConfig.from_name("tiny"), seed=2)  # bf16
+    m.allocate_cache(2, 16)
+    toks, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    plain = m(toks, pos, last_only=False)  # the widened attention, bf16 linears
+    assert m.prepack() is False  # no oneDNN packing ...
+    assert all(lin.w32 is not None and lin.w32.dtype == torch.float32 for lin in _linears(m))
+    assert torch.equal(m.lm_head.w32, m.lm_head.weight.float())  # ... an exact fp32 copy
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(
+        torch.nn.functional, "linear", lambda x, w: calls.append(w.dtype) or real(x, w)
+    )
+    wide = m(toks, pos, last_only=False)
+    assert calls and set(calls) == {torch.float32}
+    assert wide.dtype == plain.dtype
+    torch.testing.assert_close(wide, plain, atol=0.05, rtol=0.05)  # bf16 sums, other order
+    m.prepack(False)
+    assert all(lin.w32 is None for lin in _linears(m))
+
+
+def _linears(m: Transformer) -> list[Linear]:
+    return [lin for lin in m.modules() if isinstance(lin, Linear)]
+
+
 def test_calibration_times_the_linears_the_model_runs() -> None:
     # search/decode_shapes.py times the model's linears by their shapes (and
     # search/decode_step.py the model itself): the same (out, in) shapes in the same
