@@ -50,6 +50,7 @@ from search.decode_shapes import (
 from search.decode_step import measure_step_in_stream, measure_weight_rate_on, timing_model
 from search.hardware import BYTES_PER_ELEM, DecodeProfile, HardwareSpec
 from search.models import ModelSpec
+from serving.fused_linear import widens_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +123,14 @@ def measure_bandwidth(dev: torch.device, nbytes: int, reps: int, budget_s: float
 def measure_matmul_peak(
     dev: torch.device, dtype: str, n: int, reps: int, budget_s: float = 0.0
 ) -> float:
-    """Dense FLOP/s of an n x n @ n x n matmul."""
+    """Dense FLOP/s of an n x n @ n x n matmul, as the engine multiplies in ``dtype``: bf16 on
+    a CPU without bf16 matmul hardware in fp32 on widened operands (serving/fused_linear.py
+    ``widens_bf16``; torch's own bf16 GEMM there is a slow fallback, not the device)."""
     dt = TORCH_DTYPES[dtype]
     a = torch.randn(n, n, device=dev).to(dt)  # [n, n]
     b = torch.randn(n, n, device=dev).to(dt)  # [n, n]
+    if widens_bf16(a):
+        a, b = a.float(), b.float()  # exact: what a widened linear multiplies
     t = best_time(lambda: a @ b, dev, reps, budget_s)
     return 2.0 * n**3 / t
 

@@ -228,3 +228,16 @@ def test_layer_in_stream_times_the_whole_layer_and_its_parts() -> None:
         assert full > 0 and lin > 0 and attn > 0 and math.isfinite(full)
     assert layer_residual(3.0, 1.0, 0.5) == 1.5
     assert layer_residual(1.0, 1.0, 0.5) == 0.0  # noise never makes it negative
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_bf16_matmul_peak_multiplies_as_the_engine_does(monkeypatch, widen: bool) -> None:
+    """Without bf16 matmul hardware the engine multiplies bf16 in fp32 (widened copies):
+    the calibrated peak times that, not torch's slow bf16 fallback."""
+    import search.calibrate as cal
+
+    seen = []
+    monkeypatch.setattr(cal, "widens_bf16", lambda t: widen)
+    monkeypatch.setattr(cal, "best_time", lambda fn, *a: seen.append(fn().dtype) or 0.5)
+    assert cal.measure_matmul_peak(torch.device("cpu"), "bf16", 8, 1) == 2.0 * 8**3 / 0.5
+    assert seen == [torch.float32 if widen else torch.bfloat16]
