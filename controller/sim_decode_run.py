@@ -12,6 +12,8 @@ both, computed from constants of the scenario taken once:
   is the same bits, at a fraction of the cost (no property chains, the efficiency
   factor cached per batch). It reads ``plan.totals()``, so the plan's entries are
   never built. Calibrated devices (decode tables) take ``SimTarget.step_time`` itself.
+- ``step_totals()``: for the simulator, once per window, the mirror as a function of a
+  plan's totals, so that a step needs no plan object (checked every 512th call too).
 - ``decode_run``: its numpy form for decode-only plans; each run is checked at its
   first and last step against the scalar function.
 
@@ -27,6 +29,7 @@ Use: ``simulate(..., step_time=DecodeRunStepTime(target))``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,9 +59,21 @@ def plan_of(batch: int, kv_tokens: int, chunk_lengths: tuple[int, ...] = ()) -> 
     return StepPlan.lean((batch, kv_tokens, sum(chunk_lengths), len(chunks), -1, _entries, chunks))
 
 
+def plan_of_totals(batch: int, kv_tokens: int, prefill_tokens: int, chunks: int) -> StepPlan:
+    """A plan of these totals: ``chunks`` prefill chunks of ``prefill_tokens`` in all (one
+    of the rest, the others of one token each)."""
+    if not chunks:
+        return plan_of(batch, kv_tokens)
+    return plan_of(batch, kv_tokens, (prefill_tokens - chunks + 1,) + (1,) * (chunks - 1))
+
+
 def decode_only_plan(batch: int, kv_tokens: int) -> StepPlan:
     """A decode-only plan of ``batch`` sequences reading ``kv_tokens`` cached tokens."""
     return plan_of(batch, kv_tokens)
+
+
+def _no_mirror(b: int, kv: int, ptok: int, nchunks: int) -> float:
+    raise AssertionError("the scalar mirror is off")
 
 
 def _check_grid(capacity: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -82,6 +97,7 @@ class DecodeRunStepTime:
         self.fallbacks = 0  # ... timed step by step instead
         self._calls = 0
         self._scalar: tuple | None = None
+        self._fast: Callable[[int, int, int, int], float] = _no_mirror  # of the totals
         self._for: tuple[object, object] | None = None  # (roofline, efficiency) it mirrors
         self._mirrored()
 
@@ -98,33 +114,37 @@ class DecodeRunStepTime:
         self._calls += 1
         if not self._calls & (_CHECK_EVERY - 1):
             return self._checked(plan)
-        return self._mirror(plan.totals(), c)
+        return self._fast(*plan.totals())
 
-    def _mirror(self, totals: tuple[int, int, int, int], c: tuple) -> float:
-        """SimTarget.step_time, uncalibrated roofline, for a plan of these totals."""
-        (interf, overhead, tp, wb, kvb, mm_rest, head, attn4, bw, peak, hb, lat, c_ar, ar_l) = c
-        b, kv, ptok, nchunks = totals
-        p = round(ptok * interf)
-        # Roofline._shape: prefill_sequences = nchunks or None.
-        seqs = nchunks if nchunks else (1 if p else 0)
-        rows = b + p
-        if rows == 0:
-            roof = 0.0
-        else:
-            head_rows = b + seqs
-            pairs = kv + p * (p + 1) // 2
-            comm = 0.0 if tp == 1 or rows <= 0 else ar_l * (lat + c_ar * (rows * hb) / bw[1])
-            mem_s = (wb + (kv + p) * kvb) / bw[0]
-            comp_s = ((2 * (mm_rest * rows + head * head_rows)) + attn4 * pairs) / tp / peak
-            roof = max(mem_s, comp_s) + comm
-        f = self._factor.get(b)
-        if f is None:
-            f = self._factor[b] = self.target.efficiency.factor(max(1, b))
-        return overhead + roof / f
+    def step_totals(self) -> Callable[[int, int, int, int], float] | None:
+        """For the simulator, once per window: ``f(decode_batch, kv_tokens, prefill_tokens,
+        prefill_count) -> seconds``, what calling this on a plan of those totals returns
+        (the mirror, checked every 512th call as ``__call__`` checks it), without a plan;
+        None while the mirror is off (time the plans instead)."""
+        c = self._mirrored()
+        if c is None:
+            return None
+        fast = self._fast
+        calls = 0
+        on = True
+
+        def step_time(b: int, kv: int, ptok: int, nchunks: int) -> float:
+            nonlocal calls, on
+            calls += 1
+            if calls & (_CHECK_EVERY - 1) and on:
+                return fast(b, kv, ptok, nchunks)
+            plan = plan_of_totals(b, kv, ptok, nchunks)
+            if not on:
+                return self.target.step_time(plan)
+            want = self._checked(plan)
+            on = self._scalar is not None
+            return want
+
+        return step_time
 
     def _checked(self, plan: StepPlan) -> float:
         want = self.target.step_time(plan)
-        got = self._mirror(plan.totals(), self._scalar)
+        got = self._fast(*plan.totals())
         if got != want:
             self._disable(f"plan totals {plan.totals()}: {got!r} != {want!r}")
         return want
@@ -140,8 +160,39 @@ class DecodeRunStepTime:
         self._factor = {}
         self._scalar = self._scalar_constants()
         if self._scalar is not None:
+            self._fast = self._mirror_of(self._scalar)
             self._check_mirror()
         return self._scalar
+
+    def _mirror_of(self, c: tuple) -> Callable[[int, int, int, int], float]:
+        """SimTarget.step_time, uncalibrated roofline, for a plan of the totals
+        ``(decode_batch, kv_tokens, prefill_tokens, prefill_count)``: the constants ``c``
+        bound once, the efficiency's factor cached per decode batch."""
+        (interf, overhead, tp, wb, kvb, mm_rest, head, attn4, bw, peak, hb, lat, c_ar, ar_l) = c
+        bw_mem, bw_link = bw
+        factors = self._factor
+        factor = self.target.efficiency.factor
+
+        def mirror(b: int, kv: int, ptok: int, nchunks: int) -> float:
+            p = round(ptok * interf)
+            # Roofline._shape: prefill_sequences = nchunks or None.
+            seqs = nchunks if nchunks else (1 if p else 0)
+            rows = b + p
+            if rows == 0:
+                roof = 0.0
+            else:
+                head_rows = b + seqs
+                pairs = kv + p * (p + 1) // 2
+                comm = 0.0 if tp == 1 or rows <= 0 else ar_l * (lat + c_ar * (rows * hb) / bw_link)
+                mem_s = (wb + (kv + p) * kvb) / bw_mem
+                comp_s = ((2 * (mm_rest * rows + head * head_rows)) + attn4 * pairs) / tp / peak
+                roof = max(mem_s, comp_s) + comm
+            f = factors.get(b)
+            if f is None:
+                f = factors[b] = factor(max(1, b))
+            return overhead + roof / f
+
+        return mirror
 
     def _disable(self, why: str) -> None:
         logger.warning(
@@ -185,7 +236,7 @@ class DecodeRunStepTime:
         scalar = self.target.step_time
         for b, kv, chunks in _check_grid(self.target.sim_config.max_slots):
             plan = plan_of(b, kv, chunks)
-            got, want = self._mirror(plan.totals(), self._scalar), scalar(plan)
+            got, want = self._fast(*plan.totals()), scalar(plan)
             if got != want:
                 self._disable(f"batch {b}, kv {kv}, chunks {chunks}: {got!r} != {want!r}")
                 return
@@ -221,7 +272,7 @@ class DecodeRunStepTime:
         self._calls += 1
         if not self._calls & (_CHECK_EVERY - 1):
             return self._checked(decode_only_plan(batch, kv_tokens))
-        return self._mirror((batch, kv_tokens, 0, 0), c)
+        return self._fast(batch, kv_tokens, 0, 0)
 
     def _vector(self, batch: int, kv: np.ndarray) -> np.ndarray:
         r = self.target.roofline

@@ -16,14 +16,7 @@ import logging
 from collections import deque
 
 from serving.seq_state import Seq
-from serving.step_plan import (
-    Finished,
-    SchedulerConfig,
-    SeqRequest,
-    _is_int,
-    new_finished,
-    new_request,
-)
+from serving.step_plan import Finished, SchedulerConfig, SeqRequest, _is_int
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +31,7 @@ class SchedulerState:
         self._max_batch_size = config.max_batch_size
         self._max_len = config.max_len
         self._chunk_budget = config.prefill_chunk
-        self._waiting: deque[SeqRequest] = deque()
+        self._waiting: deque[Seq] = deque()  # queued requests, as sequences not yet admitted
         self._waiting_ids: set[str] = set()
         self._running: dict[str, Seq] = {}  # insertion order = admission order
         self._prefilling: dict[str, Seq] = {}  # running, prompt not fully cached
@@ -52,6 +45,8 @@ class SchedulerState:
         self._kv_base = 0  # sum over _decoding of prompt_len + 1 - dec_start (see kv_tokens)
         self._ends: list[tuple[int, int, Seq]] = []  # (step of its last token, order, seq)
         self._step = 0  # updates applied: the index of the next plan
+        # (step index, its chunks) of the step planned last, for update_seqs.
+        self._pending: tuple[int, list[tuple[Seq, int, int]]] | None = None
         self._admitted = 0
         self._saw_tokens = False  # update got tokens: a skipped step would lose one
         self._free: list[int] = list(range(config.max_slots))  # a min-heap
@@ -91,14 +86,15 @@ class SchedulerState:
         rid = req.request_id
         if rid in self._running or rid in self._waiting_ids:
             raise ValueError(f"request_id={rid!r}: already in use")
-        self._waiting.append(req)
+        self._waiting.append(Seq(rid, plen, mt, req.arrival_s, ids, req.stop_ids))
         self._waiting_ids.add(rid)
         if req.arrival_s > self._clock:
             self._clock = req.arrival_s
 
     def add_new(self, request_id: str, prompt_len: int, max_tokens: int, arrival_s: float) -> None:
         """``add(SeqRequest(...))`` of a request with no prompt ids and no stop ids, in one
-        call (the simulator adds thousands a window): the same checks and errors."""
+        call and without the SeqRequest (the simulator adds thousands a window): the same
+        checks and errors."""
         if not (
             type(prompt_len) is int
             and type(max_tokens) is int
@@ -109,7 +105,7 @@ class SchedulerState:
             self.validate(prompt_len, max_tokens)
         if request_id in self._running or request_id in self._waiting_ids:
             raise ValueError(f"request_id={request_id!r}: already in use")
-        self._waiting.append(new_request(request_id, prompt_len, max_tokens, arrival_s))
+        self._waiting.append(Seq(request_id, prompt_len, max_tokens, arrival_s))
         self._waiting_ids.add(request_id)
         if arrival_s > self._clock:
             self._clock = arrival_s
@@ -128,7 +124,7 @@ class SchedulerState:
             return True
         if request_id in self._waiting_ids:
             self._waiting_ids.discard(request_id)
-            self._waiting = deque(w for w in self._waiting if w.request_id != request_id)
+            self._waiting = deque(w for w in self._waiting if w.rid != request_id)
             return True
         return False
 
@@ -142,7 +138,8 @@ class SchedulerState:
             logger.info("max_batch_size %d -> %d", self._max_batch_size, n)
         self._max_batch_size = n
 
-    def _finish(self, s: Seq, reason: str, generated: int, now_s: float) -> Finished:
+    def _release(self, s: Seq) -> None:
+        """Take a running request out of the running set and free its slot."""
         rid = s.rid
         del self._running[rid]
         if s.dec_start >= 0:
@@ -152,19 +149,12 @@ class SchedulerState:
         else:
             self._prefilling.pop(rid, None)
         _heappush(self._free, s.slot)
-        req = s.req
-        toks = s.tokens
-        return new_finished(
-            rid,
-            reason,
-            () if toks is None else tuple(t for t in toks if t is not None),
-            req.arrival_s,
-            s.admitted_s,
-            s.first_token_s,
-            now_s,
-            s.plen,
-            generated,
-        )
+
+    def _finish(self, s: Seq, reason: str, generated: int, now_s: float) -> Finished:
+        self._release(s)
+        s.last_token_s = now_s
+        s.generated = generated
+        return s.finished(reason)
 
     # ---- state -----------------------------------------------------------------
     @property
@@ -194,7 +184,7 @@ class SchedulerState:
 
     def active_ids(self) -> list[str]:
         """Running then waiting request ids, in admission / arrival order."""
-        return list(self._running) + [w.request_id for w in self._waiting]
+        return list(self._running) + [w.rid for w in self._waiting]
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._running or request_id in self._waiting_ids

@@ -45,6 +45,15 @@ is per prefill chunk, per admission, per finish and per token handed to ``update
 (the engine hands one per sequence; the simulator none), so the simulator runs a
 batch of hundreds at the cost of a handful.
 
+The simulator's step is the same planning and bookkeeping without the plan object and
+the per-request records: ``schedule_totals`` plans the step as ``schedule`` does (both
+call ``_plan``) and returns only its totals, and ``update_seqs`` applies it as
+``update`` does without tokens (both call ``_prefilled`` and ``_retire``) and returns the
+finished requests as their :class:`Seq`, from which ``update`` makes its
+:class:`Finished` records. A request is one :class:`Seq` from ``add`` to its finish (no
+:class:`SeqRequest` is kept). ``decode_run``/``skip_decode_steps`` let it pass over
+runs of decode-only steps without planning them.
+
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /
 (generated - 1)`` (None for a single token); queue wait = admission (the
@@ -70,7 +79,6 @@ from serving.step_plan import (
     SeqRequest,
     StepPlan,
     _is_int,
-    new_finished,
 )
 
 __all__ = [
@@ -101,16 +109,43 @@ class Scheduler(SchedulerState):
 
         O(1) in the decode batch: its size and KV tokens are running sums, and the
         entries are materialised only when ``plan.decode``/``plan.prefill`` is read."""
-        if now_s is not None and now_s > self._clock:
-            self._clock = now_s
+        chunks, used = self._plan(now_s)
         k = self._step
         adds = self._dadds
         rems = self._drems
         if len(adds) + len(rems) > len(self._dbase) + 16:  # amortised O(1) per change
-            self._dbase = tuple(self._decoding.values())
-            self._dadds = adds = []
-            self._drems = rems = []
+            self._rebase()
+            adds = self._dadds
+            rems = self._drems
         dview = (self._dbase, adds, len(adds), rems, len(rems))
+        n = len(self._decoding)
+        return _lean_plan(
+            (n, self._kv_base + n * k, used, len(chunks), k, build_entries, (dview, chunks))
+        )
+
+    def schedule_totals(self, now_s: float) -> tuple[int, int, int, int]:
+        """``schedule(now_s).totals()`` without the plan: ``(decode_batch, kv_tokens,
+        prefill_tokens, prefill_count)`` of the next step, planned (admissions, chunks)
+        exactly as ``schedule`` plans it. Follow it with ``update_seqs`` (the simulator's
+        step: it reads nothing else of a plan)."""
+        chunks, used = self._plan(now_s)
+        if len(self._dadds) + len(self._drems) > len(self._dbase) + 16:
+            self._rebase()  # as schedule does: the lists stay shorter than the set
+        n = len(self._decoding)
+        return n, self._kv_base + n * self._step, used, len(chunks)
+
+    def _rebase(self) -> None:
+        """A new tuple of the decoding set for plans' views; empty change lists."""
+        self._dbase = tuple(self._decoding.values())
+        self._dadds = []
+        self._drems = []
+
+    def _plan(self, now_s: float | None) -> tuple[list[Chunk], int]:
+        """Plan the next step (both ``schedule`` and ``schedule_totals``): admit waiting
+        requests and cut the prefill chunks. Returns the chunks and the prompt tokens they
+        prefill; keeps the chunks for ``update_seqs``."""
+        if now_s is not None and now_s > self._clock:
+            self._clock = now_s
         budget = self._chunk_budget
         chunks: list[Chunk] = []
         for s in self._prefilling.values():  # admission order: the oldest prompt first
@@ -130,13 +165,16 @@ class Scheduler(SchedulerState):
             prefilling = self._prefilling
             waiting_ids = self._waiting_ids
             while True:
-                req = waiting.popleft()
-                waiting_ids.discard(req.request_id)
-                at = req.arrival_s
-                s = Seq(req, _heappop(free), clock if clock > at else at, self._admitted)
+                s = waiting.popleft()
+                rid = s.rid
+                waiting_ids.discard(rid)
+                at = s.arrival_s
+                s.slot = _heappop(free)
+                s.admitted_s = clock if clock > at else at
+                s.order = self._admitted
                 self._admitted += 1
-                running[s.rid] = s
-                prefilling[s.rid] = s
+                running[rid] = s
+                prefilling[rid] = s
                 length = s.plen
                 if length > budget:
                     length = budget
@@ -144,18 +182,8 @@ class Scheduler(SchedulerState):
                 budget -= length
                 if not (budget and waiting and free and len(running) < self._max_batch_size):
                     break
-        n = len(self._decoding)
-        return _lean_plan(
-            (
-                n,
-                self._kv_base + n * k,
-                self._chunk_budget - budget,
-                len(chunks),
-                k,
-                build_entries,
-                (dview, chunks),
-            )
-        )
+        self._pending = (self._step, chunks)
+        return chunks, self._chunk_budget - budget
 
     def update(
         self, plan: StepPlan, sampled: Mapping[str, int | None], now_s: float
@@ -178,26 +206,50 @@ class Scheduler(SchedulerState):
             )
         if now_s > self._clock:
             self._clock = now_s
+        firsts = self._prefilled(lean[LEAN_DATA][1], now_s)
+        if sampled:
+            self._saw_tokens = True
+            return self._update_with_tokens(sampled, k, firsts, now_s)
+        return [s.finished("length") for s in self._retire(k, firsts, now_s)]
+
+    def update_seqs(self, now_s: float) -> list[Seq]:
+        """``update(plan, {}, now_s)`` of the step planned last (by ``schedule_totals`` or
+        ``schedule``), without the plan or any tokens, returning the finished requests as
+        their :class:`Seq` (``last_token_s`` and ``generated`` set; ``Seq.finished`` and
+        ``Seq.timing`` make the records ``update`` returns) instead of Finished records:
+        the simulator's step, which builds a record only for what it reports."""
+        k = self._step
+        pending = self._pending
+        if pending is None or pending[0] != k:
+            raise ValueError(f"update_seqs at step {k}: schedule the step first")
+        self._pending = None
+        if now_s > self._clock:
+            self._clock = now_s
+        return self._retire(k, self._prefilled(pending[1], now_s), now_s)
+
+    def _prefilled(self, chunks: list[Chunk], now_s: float) -> list[Seq]:
+        """Advance the prompts by the step's chunks; the sequences whose prompt it completed
+        (they sample their first token), in chunk order."""
         running = self._running
-        firsts: list[tuple[int, Seq]] = []  # final prompt chunks: they sample a first token
-        i = 0
-        for s, start, length in lean[LEAN_DATA][1]:
+        firsts: list[Seq] = []
+        for s, start, length in chunks:
             if running.get(s.rid) is s and s.computed == start:  # else aborted since
                 end = s.computed = start + length
                 if end == s.plen:
                     del self._prefilling[s.rid]
                     s.first_token_s = now_s
-                    firsts.append((i, s))
-            i += 1
-        if sampled:
-            self._saw_tokens = True
-            return self._update_with_tokens(sampled, k, firsts, now_s)
-        # Without tokens nothing stops early, and the finishes come in the order the sort
-        # below gives: the heap yields the decode batch's by (step, order) and all its live
-        # entries are for step k (a request is finished in the update of the step it
-        # reaches max_tokens, and skip_decode_steps never skips one), then the prompts'
-        # come in chunk order.
-        done: list[Finished] = []
+                    firsts.append(s)
+        return firsts
+
+    def _retire(self, k: int, firsts: list[Seq], now_s: float) -> list[Seq]:
+        """The end of step ``k`` without tokens: finish the decoding requests that reach
+        ``max_tokens``, start the completed prompts decoding (or finish those that wanted
+        one token), step on. Returns the finished, in the order ``update`` reports them."""
+        # Without tokens nothing stops early, and the finishes come in this order: the heap
+        # yields the decode batch's by (step, order) and all its live entries are for step
+        # k (a request is finished in the update of the step it reaches max_tokens, and
+        # skip_decode_steps never skips one), then the prompts' come in chunk order.
+        done: list[Seq] = []
         ends = self._ends
         if ends and ends[0][0] <= k:
             decoding = self._decoding
@@ -210,36 +262,28 @@ class Scheduler(SchedulerState):
                 rid = s.rid
                 if decoding.get(rid) is not s:
                     continue  # aborted
-                # _finish of a decoding request, inlined: one call less per request.
+                # _release of a decoding request, inlined: one call less per request.
                 del running[rid]
                 del decoding[rid]
                 drems.append(s)
                 kv_base -= s.plen + 1 - s.dec_start
                 _heappush(free, s.slot)
-                toks = s.tokens
-                done.append(
-                    new_finished(
-                        rid,
-                        "length",
-                        () if toks is None else tuple(t for t in toks if t is not None),
-                        s.req.arrival_s,
-                        s.admitted_s,
-                        s.first_token_s,
-                        now_s,
-                        s.plen,
-                        k - s.dec_start + 2,
-                    )
-                )
+                s.last_token_s = now_s
+                s.generated = k - s.dec_start + 2
+                done.append(s)
             self._kv_base = kv_base
         if firsts:  # _start_decoding, inlined: one call less per request
             d = k + 1
             decoding = self._decoding
             dadds = self._dadds
             kv_base = self._kv_base
-            for _, s in firsts:
-                mt = s.req.max_tokens
-                if mt == 1:
-                    done.append(self._finish(s, "length", 1, now_s))  # never decoded
+            for s in firsts:
+                mt = s.max_tokens
+                if mt == 1:  # never decoded
+                    self._release(s)
+                    s.last_token_s = now_s
+                    s.generated = 1
+                    done.append(s)
                     continue
                 s.dec_start = d
                 decoding[s.rid] = s
@@ -254,11 +298,11 @@ class Scheduler(SchedulerState):
         self,
         sampled: Mapping[str, int | None],
         k: int,
-        firsts: list[tuple[int, Seq]],
+        firsts: list[Seq],
         now_s: float,
     ) -> list[Finished]:
         """The rest of ``update`` when tokens were handed in (an engine)."""
-        # Finished: (0, admission order) for the decode batch, (1, chunk index) for prompts.
+        # Finished: (0, admission order) for the decode batch, (1, chunk order) for prompts.
         done: list[tuple[tuple[int, int], Finished]] = []
         self._record(sampled, k, firsts, now_s, done)
         ends = self._ends
@@ -269,10 +313,10 @@ class Scheduler(SchedulerState):
                 g = k - s.dec_start + 2
                 done.append(((0, s.order), self._finish(s, "length", g, now_s)))
         running = self._running
-        for i, s in firsts:
+        for i, s in enumerate(firsts):
             if running.get(s.rid) is not s:
                 continue  # stopped at its first token
-            if s.req.max_tokens == 1:
+            if s.max_tokens == 1:
                 done.append(((1, i), self._finish(s, "length", 1, now_s)))
             else:
                 self._start_decoding(s, k)
@@ -287,19 +331,19 @@ class Scheduler(SchedulerState):
         self._decoding[s.rid] = s
         self._dadds.append(s)
         self._kv_base += s.plen + 1 - d
-        _heappush(self._ends, (d + s.req.max_tokens - 2, s.order, s))
+        _heappush(self._ends, (d + s.max_tokens - 2, s.order, s))
 
     def _record(
         self,
         sampled: Mapping[str, int | None],
         k: int,
-        firsts: list[tuple[int, Seq]],
+        firsts: list[Seq],
         now_s: float,
         done: list[tuple[tuple[int, int], Finished]],
     ) -> None:
         """Store the tokens sampled in step ``k``; finish the requests that hit a stop id."""
         running = self._running
-        first_at = {s.rid: i for i, s in firsts}
+        first_at = {s.rid: i for i, s in enumerate(firsts)}
         for rid, tok in sampled.items():
             s = running.get(rid)
             if s is None:
@@ -315,7 +359,7 @@ class Scheduler(SchedulerState):
                 toks = s.tokens = []
             toks.extend([None] * (idx - len(toks)))
             toks.append(tok)
-            if tok is not None and tok in s.req.stop_ids:
+            if tok is not None and tok in s.stop_ids:
                 key = (0, s.order) if idx else (1, first_at[rid])
                 done.append((key, self._finish(s, "stop", idx + 1, now_s)))
 

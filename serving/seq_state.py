@@ -1,4 +1,11 @@
-"""A running request as the scheduler keeps it, and a lean plan's entries built from it.
+"""A request as the scheduler keeps it, and a lean plan's entries built from it.
+
+A :class:`Seq` is made when a request is queued and is the scheduler's only object for
+it until it finishes: its own facts are copied from the :class:`SeqRequest` (the
+simulator's ``add_new`` makes none), its admission and finish are recorded on it, and
+the :class:`Finished` and :class:`RequestTiming` records are made from it only when
+wanted (``Seq.finished`` for the engine's ``update``, ``Seq.timing`` when a simulated
+result's timings are read).
 
 serving/scheduler.py plans a step without building a :class:`DecodeEntry` per
 decoding sequence or a :class:`PrefillChunk` per chunk: it hands
@@ -18,25 +25,38 @@ import math
 from typing import Any
 
 from serving.step_plan import (
+    _NO_STOP,
     LEAN_DATA,
     LEAN_STEP,
     DecodeEntry,
+    Finished,
     PrefillChunk,
-    SeqRequest,
+    RequestTiming,
     new_chunk,
+    new_finished,
+    new_timing,
 )
 
 
 class Seq:
-    """A running request. While it decodes, its position and generated count follow from
-    the step index alone: at step ``k`` it has ``1 + k - dec_start`` tokens and feeds the
-    last one at position ``prompt_len + k - dec_start``. So a step costs nothing per
-    decoding sequence, and a plan's decode entries can be built whenever they are read."""
+    """A request from the moment it is queued: its own facts (id, lengths, arrival, prompt
+    and stop ids; no :class:`SeqRequest` is kept, and the simulator makes none), then its
+    slot, admission time and order once admitted, then its finish. While it decodes, its
+    position and generated count follow from the step index alone: at step ``k`` it has
+    ``1 + k - dec_start`` tokens and feeds the last one at position
+    ``prompt_len + k - dec_start``. So a step costs nothing per decoding sequence, and a
+    plan's decode entries can be built whenever they are read.
+
+    ``slot``, ``admitted_s`` and ``order`` are set when it is admitted, ``last_token_s``
+    and ``generated`` when it finishes (unset before: nothing reads them earlier)."""
 
     __slots__ = (
-        "req",
         "rid",
         "plen",
+        "max_tokens",
+        "arrival_s",
+        "prompt_ids",
+        "stop_ids",
         "slot",
         "admitted_s",
         "order",
@@ -44,20 +64,57 @@ class Seq:
         "dec_start",
         "tokens",
         "first_token_s",
+        "last_token_s",
+        "generated",
     )
 
-    def __init__(self, req: SeqRequest, slot: int, admitted_s: float, order: int) -> None:
-        self.req = req
-        self.rid = req.request_id
-        self.plen = req.prompt_len
-        self.slot = slot
-        self.admitted_s = admitted_s
-        self.order = order  # admission number: finished requests come back in this order
+    def __init__(
+        self,
+        rid: str,
+        plen: int,
+        max_tokens: int,
+        arrival_s: float,
+        prompt_ids: tuple[int, ...] | None = None,
+        stop_ids: frozenset[int] = _NO_STOP,
+    ) -> None:
+        self.rid = rid
+        self.plen = plen
+        self.max_tokens = max_tokens
+        self.arrival_s = arrival_s
+        self.prompt_ids = prompt_ids
+        self.stop_ids = stop_ids
         self.computed = 0  # prompt tokens already in the cache
         self.dec_start = -1  # the step index of its first decode (-1: still prefilling)
         # Sampled tokens by sample index (None: none given for that one; None: none at all).
         self.tokens: list[int | None] | None = None
         self.first_token_s = math.nan
+
+    def finished(self, reason: str) -> Finished:
+        """Its :class:`Finished` record (after it finished: ``last_token_s``, ``generated``)."""
+        toks = self.tokens
+        return new_finished(
+            self.rid,
+            reason,
+            () if toks is None else tuple(t for t in toks if t is not None),
+            self.arrival_s,
+            self.admitted_s,
+            self.first_token_s,
+            self.last_token_s,
+            self.plen,
+            self.generated,
+        )
+
+    def timing(self) -> RequestTiming:
+        """Its :class:`RequestTiming` (after it finished)."""
+        return new_timing(
+            self.rid,
+            self.arrival_s,
+            self.admitted_s,
+            self.first_token_s,
+            self.last_token_s,
+            self.plen,
+            self.generated,
+        )
 
     def entry(self, k: int) -> DecodeEntry:
         """Its decode entry in the plan of step ``k``."""
@@ -72,7 +129,7 @@ class Seq:
 
     def chunk(self, start: int, length: int) -> PrefillChunk:
         """Its prefill chunk of prompt positions ``start .. start+length-1``."""
-        ids = self.req.prompt_ids
+        ids = self.prompt_ids
         return new_chunk(
             self.rid,
             self.slot,

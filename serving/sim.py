@@ -17,34 +17,53 @@ deployment yields: exact percentiles and three-way SLO verdicts from the
 per-request samples (:mod:`metrics.samples`). Deterministic under a seed.
 
 Speed. The scheduler costs O(1) per step whatever the decode batch and builds no
-plan entries the simulator does not read (see serving/scheduler.py), arrivals a
-full server turns away are counted in one bisect, a request's lengths are read
-only when it is admitted, the cyclic garbage collector is paused during a run,
-and, when the step-time function also offers
-``decode_run(batch, kv_tokens[m]) -> seconds[m]`` (the times of decode-only plans
-of ``batch`` sequences reading those KV tokens, equal to calling it on such
-plans), a run of decode-only steps between events (the next request to finish,
-the next arrival that would be admitted, the window's end) is timed in one
-vectorised call and skipped over in the scheduler. Results are the same, bit for
-bit, as stepping one plan at a time (tests/serving/test_sim.py checks both paths
-against the plain reference loop).
+plan entries the simulator does not read (see serving/scheduler.py). A window's cost is
+then per step, per admitted request and fixed per window, and each is kept small:
+
+- per step: when the step-time function offers ``step_totals()`` (a function of a plan's
+  totals ``(decode_batch, kv_tokens, prefill_tokens, prefill_count) -> seconds``, equal
+  to calling it on such a plan; controller/sim_decode_run.py), a step is
+  ``Scheduler.schedule_totals`` + that function + ``Scheduler.update_seqs``: no plan
+  object, no Finished records. Other step-time functions get the plan of ``schedule``.
+- runs of decode-only steps between events (the next request to finish, the next
+  arrival that would be admitted, the window's end) are not planned at all: the
+  scheduler says how many there are (``decode_run``), their times come from the
+  function's ``decode_run(batch, kv_tokens[m]) -> seconds[m]`` in one vectorised call
+  when the run is long, else from ``step_totals``, the clock is summed over them one
+  step after another, and ``skip_decode_steps`` passes over them.
+- per request: the scheduler keeps one :class:`serving.seq_state.Seq` from ``add_new``
+  to its finish; the simulator keeps the finished ones and makes nothing else for them
+  in the loop. The observation is computed from their times in numpy at the end, and
+  :class:`RequestTiming` records only when ``SimResult.timings`` is read.
+- per window: arrival times and lengths are read from buffer copies of the drawn arrays
+  (no Python object per arrival made up front: most are turned away, counted in one
+  bisect), step noise is drawn in blocks as needed, the observation sorts each sample
+  set once (serving/sim_observation.py), and the cyclic garbage collector is paused
+  during a run.
+
+Results are the same, bit for bit, whichever path a step takes
+(tests/serving/test_sim.py checks them against the plain reference loop, and
+bench/sim_speed.py checks its variants agree).
 """
 
 from __future__ import annotations
 
+import array
 import bisect
 import gc
+import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from metrics.observation import Observation, Slo
 from serving.scheduler import RequestTiming, Scheduler, SchedulerConfig, StepPlan
-from serving.sim_observation import observation_from_timings
+from serving.seq_state import Seq
+from serving.sim_observation import SEQ_TIMES, observation_from_timings
 from serving.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -53,8 +72,12 @@ __all__ = ["SimConfig", "SimResult", "StepTimeFn", "observation_from_timings", "
 
 StepTimeFn = Callable[[StepPlan], float]
 
-_NOISE_BLOCK = 4096
+# Step noise is drawn in blocks as needed: the same numbers whatever the block (nothing
+# else is drawn after it), and a window of a thousand steps draws a thousand or so.
+_NOISE_BLOCK = 512
 _MIN_RUN = 4  # decode-only steps worth one vectorised call of the step-time function
+# ... when the step time of a plan's totals is offered too: shorter runs are timed by it.
+_MIN_VECTOR = 24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,14 +119,73 @@ class SimConfig:
         return SimConfig(**{**self.__dict__, "window_noise_cv": 0.0})
 
 
-@dataclass(frozen=True, kw_only=True)
 class SimResult:
+    """What one window measured (immutable). ``timings``: the :class:`RequestTiming` of
+    each request finished inside the window, in finish order, built when first read (the
+    tuner reads only the observation; a window finishes hundreds of requests)."""
+
+    __slots__ = ("observation", "steps", "busy_s", "sim_s", "slowdown", "_timings", "_seqs")
+
     observation: Observation
-    timings: tuple[RequestTiming, ...]  # requests finished inside the window
     steps: int
     busy_s: float  # simulated seconds spent in steps
     sim_s: float  # simulated seconds in all
     slowdown: float  # the per-run noise factor drawn
+
+    def __init__(
+        self,
+        *,
+        observation: Observation,
+        timings: tuple[RequestTiming, ...] | None = None,
+        steps: int,
+        busy_s: float,
+        sim_s: float,
+        slowdown: float,
+        finished: list[Seq] | None = None,
+    ) -> None:
+        """Give ``timings``, or ``finished``: the finished sequences they are made of."""
+        if (timings is None) == (finished is None):
+            raise ValueError("give timings or finished, not both")
+        for name, v in (
+            ("observation", observation),
+            ("steps", steps),
+            ("busy_s", busy_s),
+            ("sim_s", sim_s),
+            ("slowdown", slowdown),
+            ("_timings", None if timings is None else tuple(timings)),
+            ("_seqs", finished),
+        ):
+            object.__setattr__(self, name, v)
+
+    @property
+    def timings(self) -> tuple[RequestTiming, ...]:
+        t = self._timings
+        if t is None:
+            t = tuple([s.timing() for s in self._seqs])
+            object.__setattr__(self, "_timings", t)
+            object.__setattr__(self, "_seqs", None)
+        return t
+
+    def _key(self) -> tuple:
+        return (self.observation, self.timings, self.steps, self.busy_s, self.sim_s, self.slowdown)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SimResult):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"SimResult is immutable: cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        return (
+            f"SimResult(observation={self.observation!r}, timings={self.timings!r},"
+            f" steps={self.steps!r}, busy_s={self.busy_s!r}, sim_s={self.sim_s!r},"
+            f" slowdown={self.slowdown!r})"
+        )
 
 
 def _lognormal_sigma(cv: float) -> float:
@@ -111,7 +193,7 @@ def _lognormal_sigma(cv: float) -> float:
 
 
 def _queue_or_reject(
-    arr: list[float], i: int, upto: float, queue: deque[int], limit: int, first_counted: int
+    arr: Sequence[float], i: int, upto: float, queue: deque[int], limit: int, first_counted: int
 ) -> tuple[int, int]:
     """Arrivals ``i..`` up to time ``upto`` at a server with no room: they wait while the
     queue has room, the rest are turned away (counted from ``first_counted`` on).
@@ -223,14 +305,20 @@ def _simulate(
     queue: deque[int] = deque()
     in_flight = 0
     rejected = 0
-    timings: list[RequestTiming] = []
-    keep = timings.append
+    kept: list[list[Seq]] = []  # the requests finished inside the window, step by step
+    keep = kept.append
     n = len(arrivals)
-    arr = arrivals.tolist()
+    # The arrival times as Python reads them, without a float object per arrival made up
+    # front (most are only passed over by a bisect): a copy of the array's buffer.
+    arr = array.array("d")
+    arr.frombytes(np.ascontiguousarray(arrivals, dtype=np.float64).tobytes())
     arr.append(math.inf)  # a sentinel: arr[i] <= t is False past the last arrival
-    # Lengths are read per admission: at a saturating load most arrivals are turned away.
-    plen = prompts.item
-    olen = outputs.item
+    # Lengths are read per admission (at a saturating load most arrivals are turned away):
+    # buffer copies, whose items are made when read.
+    plen = array.array("q")
+    plen.frombytes(np.ascontiguousarray(prompts, dtype=np.int64).tobytes())
+    olen = array.array("q")
+    olen.frombytes(np.ascontiguousarray(outputs, dtype=np.int64).tobytes())
     # Arrivals before warmup_s are not counted when rejected: the first index counted.
     first_counted = bisect.bisect_left(arr, cfg.warmup_s)
     limit = max_concurrency
@@ -239,11 +327,15 @@ def _simulate(
     max_steps = cfg.max_steps
     add = sched.add_new
     schedule = sched.schedule
-    update = sched.update
+    schedule_totals = sched.schedule_totals
+    update = sched.update_seqs
     decode_run = sched.decode_run
     bisect_right = bisect.bisect_right
 
     run_fn = getattr(step_time, "decode_run", None)
+    # A step time of the plan's totals, without the plan (see module doc).
+    totals_of = getattr(step_time, "step_totals", None)
+    totals_fn = totals_of() if totals_of is not None else None
 
     def draw() -> list[float]:
         if not sigma:
@@ -256,11 +348,10 @@ def _simulate(
     busy = 0.0
     noise: list[float] = []
     k = 0
-    empty: dict[str, int | None] = {}
     while t < end_s:
         if arr[i] <= t:
             while arr[i] <= t and in_flight < limit:
-                add(str(i), plen(i), olen(i), arr[i])
+                add(str(i), plen[i], olen[i], arr[i])
                 in_flight += 1
                 i += 1
             if arr[i] <= t:  # full: queue or turn away every arrival up to t
@@ -276,18 +367,23 @@ def _simulate(
                 break
             t = arr[i]
             continue
-        if run_fn is not None:
+        if run_fn is not None or totals_fn is not None:
             m, batch, kv0 = decode_run()
-            if m >= _MIN_RUN:  # a run of decode-only steps: all at once (see module doc)
+            # A run of decode-only steps, without planning them (see module doc): a long
+            # one timed in one vectorised call, a short one by the totals' step time.
+            if m >= _MIN_RUN and run_fn is not None and (totals_fn is None or m >= _MIN_VECTOR):
+                kv = kv0 + batch * np.arange(m, dtype=np.int64)  # [m]
+                base = np.asarray(run_fn(batch, kv), dtype=np.float64).tolist()  # [m]
+            elif m and totals_fn is not None:
+                base = [totals_fn(batch, kv0 + batch * j, 0, 0) for j in range(m)]  # [m]
+            else:
+                m = 0
+            if m:
                 while len(noise) - k < m:
                     noise = noise[k:] + draw()
                     k = 0
-                kv = kv0 + batch * np.arange(m, dtype=np.int64)  # [m]
-                base = run_fn(batch, kv)  # [m]
                 stop_s = arr[i] if in_flight < limit and arr[i] < end_s else end_s
-                took, last_start, t, busy = _run_steps(
-                    np.asarray(base, dtype=np.float64).tolist(), slowdown, noise, k, t, busy, stop_s
-                )
+                took, last_start, t, busy = _run_steps(base, slowdown, noise, k, t, busy, stop_s)
                 if arr[i] <= last_start:  # arrivals while full, as each step saw them
                     i, turned = _queue_or_reject(
                         arr, i, last_start, queue, queue_limit, first_counted
@@ -300,11 +396,14 @@ def _simulate(
                     raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
                 sched.skip_decode_steps(took, t)
                 continue
-        plan = schedule(t)
+        if totals_fn is not None:
+            base_dt = totals_fn(*schedule_totals(t))
+        else:
+            base_dt = step_time(schedule(t))
         if k >= len(noise):
             noise = noise[k:] + draw()
             k = 0
-        dt = step_time(plan) * slowdown * noise[k]
+        dt = base_dt * slowdown * noise[k]
         k += 1
         if not (dt > 0 and dt < math.inf):
             raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
@@ -313,23 +412,24 @@ def _simulate(
         steps += 1
         if steps > max_steps:
             raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
-        done = update(plan, empty, t)
+        done = update(t)
         if done:
             in_flight -= len(done)
             if warmup_s <= t <= end_s:
-                for f in done:
-                    keep(f.timing)
+                keep(done)
             while queue and in_flight < limit:
                 j = queue.popleft()
-                add(str(j), plen(j), olen(j), arr[j])
+                add(str(j), plen[j], olen[j], arr[j])
                 in_flight += 1
+    finished = list(itertools.chain.from_iterable(kept))
     obs = observation_from_timings(
-        timings,
+        finished,
         slo=slo,
         start_s=cfg.warmup_s,
         end_s=end_s,
         rejected=rejected,
         confidence=cfg.confidence,
+        times=SEQ_TIMES,
     )
     logger.debug(
         "sim B=%d C=%d: %d steps, %d done, %d rejected",
@@ -341,7 +441,7 @@ def _simulate(
     )
     return SimResult(
         observation=obs,
-        timings=tuple(timings),
+        finished=finished,
         steps=steps,
         busy_s=busy,
         sim_s=t,

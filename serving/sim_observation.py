@@ -3,24 +3,60 @@
 Exact percentiles and three-way SLO verdicts from the samples (metrics/samples.py),
 the same Observation a deployment yields. TTFT and TPOT are computed as arrays with
 the same float operations as RequestTiming's ``ttft_s`` and ``tpot_s``.
+
+Speed: a window's observation is a fixed cost of every simulated window, so each sample
+set is sorted once, its percentiles are read off the sorted array at the nearest ranks
+:func:`metrics.samples.exact_quantile` takes, and its verdict is
+:func:`metrics.samples.verdict_from_counts` of the count above the threshold (what
+``verdict_from_samples`` computes, without sorting the samples again for each call).
+tests/serving/test_sim.py checks the result against the plain per-request computation.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from metrics.observation import Observation, Percentiles, Slo
-from metrics.samples import exact_quantile, verdict_from_samples
+from metrics.observation import Observation, Percentiles, Slo, SloVerdict
+from metrics.samples import verdict_from_counts
 from serving.step_plan import RequestTiming
 
 _TIMES = operator.attrgetter("arrival_s", "first_token_s", "last_token_s", "generated_tokens")
+# The same four of a finished serving.seq_state.Seq.
+SEQ_TIMES = operator.attrgetter("arrival_s", "first_token_s", "last_token_s", "generated")
+
+
+def _nearest_rank(x: np.ndarray, q: float) -> float:
+    """``exact_quantile(x, q)`` of a sorted, non-empty array: the same rank."""
+    k = max(1, math.ceil(round(q * x.size, 6)))  # 1-based rank; as exact_quantile rounds
+    return float(x[k - 1])
+
+
+def _percentiles(x: np.ndarray) -> Percentiles:
+    if not x.size:
+        return Percentiles()
+    return Percentiles(
+        p50=_nearest_rank(x, 0.5), p90=_nearest_rank(x, 0.9), p99=_nearest_rank(x, 0.99)
+    )
+
+
+def _verdict(x: np.ndarray, threshold_s: float, q: float, confidence: float) -> SloVerdict:
+    """``verdict_from_samples(x, threshold_s, q=q, confidence=confidence)`` of a sorted
+    array: the count above the threshold, the q-quantile as the estimate."""
+    if np.isnan(x).any():  # as verdict_from_samples refuses them
+        raise ValueError("samples contain NaN: drop unknown latencies before computing quantiles")
+    above = int(x.size - np.searchsorted(x, threshold_s, side="right"))
+    estimate = _nearest_rank(x, q) if x.size else math.nan
+    return verdict_from_counts(x.size, above, threshold_s, estimate, q=q, confidence=confidence)
 
 
 def observation_from_timings(
-    timings: list[RequestTiming],
+    timings: Sequence[RequestTiming],
     *,
     slo: Slo,
     start_s: float,
@@ -28,10 +64,13 @@ def observation_from_timings(
     rejected: int,
     confidence: float,
     source: str = "sim",
+    times: Callable[[Any], tuple] = _TIMES,
 ) -> Observation:
-    """The Observation of a window from per-request timings (exact quantiles, verdicts)."""
+    """The Observation of a window from per-request timings (exact quantiles, verdicts).
+    ``times`` reads ``(arrival_s, first_token_s, last_token_s, generated_tokens)`` of one
+    (:data:`SEQ_TIMES`: the simulator hands in the finished sequences themselves)."""
     # RequestTiming's ttft_s and tpot_s, as arrays: the same float operations.
-    flat = itertools.chain.from_iterable(map(_TIMES, timings))
+    flat = itertools.chain.from_iterable(map(times, timings))
     rows = np.fromiter(flat, dtype=np.float64, count=4 * len(timings)).reshape(-1, 4)  # [n, 4]
     arrival, first, last, generated = rows.T  # [n] each
     ttft_a = first - arrival  # [n]
@@ -40,17 +79,8 @@ def observation_from_timings(
     tpot_ok = np.ones(len(timings), dtype=bool)  # [n]
     tpot_ok[has_tpot] = tpot_a <= slo.tpot_p99_s
     met = int(np.count_nonzero((ttft_a <= slo.ttft_p99_s) & tpot_ok))
-    # Sorted once: the quantiles and verdicts below sort again, at little cost.
-    ttft = np.sort(ttft_a).tolist()
-    tpot = np.sort(tpot_a).tolist()
-
-    def pct(x: list[float]) -> Percentiles:
-        if not x:
-            return Percentiles()
-        return Percentiles(
-            p50=exact_quantile(x, 0.5), p90=exact_quantile(x, 0.9), p99=exact_quantile(x, 0.99)
-        )
-
+    ttft = np.sort(ttft_a)  # [n]
+    tpot = np.sort(tpot_a)  # [m]
     q = slo.quantile
     return Observation(
         start_s=start_s,
@@ -59,9 +89,9 @@ def observation_from_timings(
         slo_met=met,
         rejected=rejected,
         generated_tokens=int(generated.sum()),  # whole numbers: the float sum is exact
-        ttft=pct(ttft),
-        tpot=pct(tpot),
-        ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
-        tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
+        ttft=_percentiles(ttft),
+        tpot=_percentiles(tpot),
+        ttft_verdict=_verdict(ttft, slo.ttft_p99_s, q, confidence),
+        tpot_verdict=_verdict(tpot, slo.tpot_p99_s, q, confidence),
         source=source,
     )

@@ -261,8 +261,9 @@ class Finished:
 # The scheduler's hot path builds these frozen dataclasses by filling the instance dict:
 # the same objects (equality, hash, repr, immutability after construction) for about a
 # third of what the generated __init__ costs, which stores each field through
-# object.__setattr__. The simulator builds two per request (no prefill chunk: it never
-# reads plan.prefill).
+# object.__setattr__. The engine's scheduler builds a Finished (and its RequestTiming)
+# per finished request; the simulator builds no Finished, and a RequestTiming only when
+# a result's timings are read (serving/sim.py).
 
 
 _NO_STOP: frozenset[int] = frozenset()
@@ -270,7 +271,7 @@ _NO_STOP: frozenset[int] = frozenset()
 
 def new_request(request_id: str, prompt_len: int, max_tokens: int, arrival_s: float) -> SeqRequest:
     """``SeqRequest(request_id=..., prompt_len=..., max_tokens=..., arrival_s=...)`` (no
-    prompt ids, no stop ids), at half the cost: the simulator makes one per admission."""
+    prompt ids, no stop ids), at half the cost of the generated ``__init__``."""
     r = _new(SeqRequest)
     d = r.__dict__
     d["request_id"] = request_id
@@ -296,6 +297,27 @@ def new_chunk(
     return c
 
 
+def new_timing(
+    request_id: str,
+    arrival_s: float,
+    admitted_s: float,
+    first_token_s: float,
+    last_token_s: float,
+    prompt_tokens: int,
+    generated_tokens: int,
+) -> RequestTiming:
+    t = _new(RequestTiming)
+    d = t.__dict__
+    d["request_id"] = request_id
+    d["arrival_s"] = arrival_s
+    d["admitted_s"] = admitted_s
+    d["first_token_s"] = first_token_s
+    d["last_token_s"] = last_token_s
+    d["prompt_tokens"] = prompt_tokens
+    d["generated_tokens"] = generated_tokens
+    return t
+
+
 def new_finished(
     request_id: str,
     reason: str,
@@ -307,19 +329,18 @@ def new_finished(
     prompt_tokens: int,
     generated_tokens: int,
 ) -> Finished:
-    t = _new(RequestTiming)
-    d = t.__dict__
-    d["request_id"] = request_id
-    d["arrival_s"] = arrival_s
-    d["admitted_s"] = admitted_s
-    d["first_token_s"] = first_token_s
-    d["last_token_s"] = last_token_s
-    d["prompt_tokens"] = prompt_tokens
-    d["generated_tokens"] = generated_tokens
     f = _new(Finished)
     d = f.__dict__
     d["request_id"] = request_id
     d["reason"] = reason
-    d["timing"] = t
+    d["timing"] = new_timing(
+        request_id,
+        arrival_s,
+        admitted_s,
+        first_token_s,
+        last_token_s,
+        prompt_tokens,
+        generated_tokens,
+    )
     d["output_ids"] = output_ids
     return f

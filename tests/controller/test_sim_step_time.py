@@ -66,3 +66,26 @@ def test_a_change_after_construction_is_caught_by_the_periodic_check(caplog) -> 
     want = [target.step_time(p) for p in plans]
     assert got[511:] == want[511:]  # from the check at the 512th call on
     assert got[:511] != want[:511]
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_step_time_of_the_totals_is_the_step_time(name: str) -> None:
+    target = SimTarget(SCENARIOS[name])
+    fn = DecodeRunStepTime(target).step_totals()
+    assert fn is not None
+    plans = list(_random_plans(target, 600, seed=7 + len(name)))
+    assert [fn(*p.totals()) for p in plans] == [target.step_time(p) for p in plans]
+
+
+def test_the_step_time_of_the_totals_checks_itself_too(caplog) -> None:
+    target = SimTarget(SCENARIOS["cpu-small"])
+    runs = DecodeRunStepTime(target)
+    fn = runs.step_totals()
+    assert fn is not None
+    target.step_time = lambda plan: 1e-3 + 1e-9 * plan.kv_tokens  # type: ignore[method-assign]
+    plans = list(_random_plans(target, 1100, seed=3))
+    with caplog.at_level(logging.WARNING):
+        got = [fn(*p.totals()) for p in plans]
+    assert runs._scalar is None and "differs" in caplog.text
+    assert got[511:] == [target.step_time(p) for p in plans][511:]
+    assert runs.step_totals() is None  # the next window times its plans

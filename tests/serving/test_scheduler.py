@@ -451,3 +451,35 @@ def test_add_new_checks_as_add_does(prompt_len, max_tokens, needle) -> None:
     twin = make()
     twin.add(req("a", prompt_len=4, max_tokens=3))
     assert [run_step(s, 0.0)[1] for _ in range(4)] == [run_step(twin, 0.0)[1] for _ in range(4)]
+
+
+def test_the_simulators_step_is_schedule_and_update_without_the_plan() -> None:
+    """schedule_totals + update_seqs plan and apply exactly what schedule + update do."""
+    import random
+
+    from serving.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_slots=6, max_batch_size=4, max_len=64, prefill_chunk=16)
+    a, b = Scheduler(cfg), Scheduler(cfg)
+    rng = random.Random(5)
+    t = 0.0
+    for i in range(300):
+        if rng.random() < 0.5:
+            plen, mt = rng.randint(1, 40), rng.randint(1, 20)
+            a.add_new(str(i), plen, mt, t)
+            b.add_new(str(i), plen, mt, t)
+        if i % 37 == 5 and a.active_ids():
+            rid = rng.choice(a.active_ids())
+            assert a.abort(rid) == b.abort(rid)
+        if not a.has_work:
+            t += 0.5
+            continue
+        plan = a.schedule(t)
+        assert b.schedule_totals(t) == plan.totals()
+        t += 0.01
+        want = a.update(plan, {}, t)
+        got = b.update_seqs(t)
+        assert [s.finished("length") for s in got] == want
+        assert [s.timing() for s in got] == [f.timing for f in want]
+    with pytest.raises(ValueError, match="schedule the step first"):
+        b.update_seqs(t)

@@ -180,6 +180,26 @@ class RooflineLike:
         )
 
 
+def _totals_like(b: int, kv: int, ptok: int, nchunks: int) -> float:
+    """_roofline_like of a plan of these totals (what it reads of a plan)."""
+    return max(2e-3 + 1e-5 * b + 2e-7 * kv, 1e-3 + 3e-6 * ptok + 1e-4 * nchunks + 4e-5 * b)
+
+
+class TotalsLike(RooflineLike):
+    """... and the step time of a plan's totals, so that no step needs a plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals_calls = 0
+
+    def step_totals(self):
+        def fn(b: int, kv: int, ptok: int, nchunks: int) -> float:
+            self.totals_calls += 1
+            return _totals_like(b, kv, ptok, nchunks)
+
+        return fn
+
+
 EQUIV_CASES = {
     "saturated-noisy": dict(
         max_batch_size=16,
@@ -212,19 +232,25 @@ EQUIV_CASES = {
 }
 
 
-@pytest.mark.parametrize("runs", [False, True], ids=["step-by-step", "decode-runs"])
+@pytest.mark.parametrize(
+    "runs", [False, True, "totals"], ids=["step-by-step", "decode-runs", "totals"]
+)
 @pytest.mark.parametrize("seed", [0, 7, 12345])
 @pytest.mark.parametrize("case", sorted(EQUIV_CASES))
-def test_identical_to_the_step_by_step_reference(case: str, seed: int, runs: bool) -> None:
-    """The lean scheduler, the arrival handling and the runs of decode-only steps change
-    nothing: the same result, bit for bit, as the plain loop over the reference
-    scheduler (tests/serving/ref_sim.py), which calls the step time for every plan."""
+def test_identical_to_the_step_by_step_reference(case: str, seed: int, runs: object) -> None:
+    """The lean scheduler, the arrival handling, the runs of decode-only steps and the
+    steps timed by their totals change nothing: the same result, bit for bit, as the
+    plain loop over the reference scheduler (tests/serving/ref_sim.py), which calls the
+    step time for every plan."""
     from tests.serving.ref_sim import ref_simulate
 
-    fn = RooflineLike() if runs else _roofline_like
+    fn = TotalsLike() if runs == "totals" else RooflineLike() if runs else _roofline_like
     fast = simulate(**EQUIV_CASES[case], step_time=fn, slo=SLO, seed=seed)
     ref = ref_simulate(**EQUIV_CASES[case], step_time=_roofline_like, slo=SLO, seed=seed)
-    if runs:
+    if isinstance(fn, TotalsLike):
+        assert fn.calls == 0  # no plan was timed
+        assert fn.totals_calls + fn.run_steps >= fast.steps
+    elif runs:
         assert isinstance(fn, RooflineLike)
         assert fn.calls + fn.run_steps >= fast.steps  # every step was timed, once
         if case == "light-load-single-stream":
@@ -320,3 +346,14 @@ def test_the_garbage_collector_is_left_as_it_was() -> None:
     with pytest.raises(ValueError):
         run(step_time=const(-1.0))
     assert gc.isenabled()
+
+
+def test_timings_are_built_when_read_and_compare_as_values() -> None:
+    args = dict(EQUIV_CASES["saturated-noisy"], step_time=TotalsLike(), slo=SLO, seed=2)
+    a, b = simulate(**args), simulate(**args)
+    assert a == b and hash(a) == hash(b)  # timings built on the way
+    t = a.timings
+    assert t is a.timings and len(t) == a.observation.completed > 100
+    assert t[0].request_id.isdigit() and t[0].first_token_s >= t[0].arrival_s
+    with pytest.raises(AttributeError):
+        a.steps = 3  # type: ignore[misc]
