@@ -53,6 +53,12 @@ ENV_SWITCH = "SLOTUNE_CPU_KERNELS"
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 PATHS = {1: "AVX-512 bf16", 2: "AVX2"}  # slotune_kernel_limits' return -> the GEMV's path
+# Rows of input up to which a linear runs the GEMV, by path (docs/serving.md "CPU kernels").
+# AVX-512: A/B of whole `small` decode steps, alternating step by step (2026-12-03): median
+# step ratio GEMV/oneDNN 0.75-0.85 at B=1, 0.78-0.79 at B=2, 0.92-1.00 at B=4, worse from
+# B=6 on. AVX2: the 24 [4096, 768] linears, 2 threads: the GEMV 3.5 ms at one row, the
+# small GEMM 6.2 ms at two against the GEMV's 10 ms.
+GEMV_ROWS = {1: 2, 2: 1}
 
 
 class Kernels:
@@ -88,9 +94,55 @@ class Kernels:
             # positions, slots; M, d, I, H, Hkv, D, S, L, P; scale, threads
             self._layer.argtypes = [_P] * 4 + [_F] * 2 + [_P] * 9 + [_I] * 9 + [_F, _C]
             self._layer.restype = ctypes.c_int
+        # Rows up to which a linear runs the GEMV (and a decode layer the whole-layer call):
+        # on AVX2 two rows already run faster through the small GEMM below.
+        self.gemv_rows = GEMV_ROWS.get(built, 0)
+        self.has_gemm = built == 2  # the AVX2 small GEMM (see gemm)
+        if self.has_gemm:
+            self._pack16 = lib.slotune_pack_cols16_bf16
+            self._pack16.argtypes = [_P, _P, _I, _I]
+            self._pack16.restype = None
+            self._gemm = lib.slotune_gemm_bf16
+            self._gemm.argtypes = [_P, _P, _P, _P, _I, _I, _I, _C]
+            self._gemm.restype = None
 
     def supports_gemv(self, out_features: int, in_features: int) -> bool:
         return self.gemv_isa is not None and out_features % 8 == 0 and in_features % 32 == 0
+
+    def supports_gemm(self, out_features: int) -> bool:
+        return self.has_gemm and out_features % 16 == 0
+
+    def pack_cols16(self, weight: torch.Tensor) -> torch.Tensor:
+        """The small GEMM's copy of a bf16 weight [O, I] (see :meth:`gemm`)."""
+        w = weight.detach().contiguous()
+        packed = torch.empty(w.numel(), dtype=w.dtype)
+        self._pack16(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
+        return packed
+
+    def gemm(
+        self,
+        x: torch.Tensor,  # [..., I] bf16
+        packed: torch.Tensor,  # from pack_cols16 of a weight [O, I]
+        out_features: int,
+        residual: torch.Tensor | None = None,  # [..., O] bf16, contiguous
+    ) -> torch.Tensor:
+        """``x @ W.T`` (``+ residual``) for any number of rows on the AVX2 path: fp32 FMAs
+        on bf16 weights widened in registers (x widened once), fp32 sums over the input
+        features in order, rounded once: [..., O] bf16."""
+        i = x.shape[-1]
+        x32 = x.reshape(-1, i).float()  # [M, I]: a copy, contiguous
+        out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+        self._gemm(
+            x32.data_ptr(),
+            packed.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            x32.shape[0],
+            out_features,
+            i,
+            torch.get_num_threads(),
+        )
+        return out
 
     def pack_rows8(self, weight: torch.Tensor) -> torch.Tensor:
         """The GEMV's copy of a bf16 weight [O, I] (see :meth:`gemv`)."""

@@ -18,12 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows of input up to which a linear runs serving/cpu_kernels.py's GEMV rather than
-# oneDNN (docs/serving.md "CPU kernels"). A/B of whole `small` decode steps, alternating
-# step by step (2026-12-03): median step ratio GEMV/oneDNN 0.75-0.85 at B=1, 0.78-0.79
-# at B=2, 0.92-1.00 at B=4, worse from B=6 on.
-GEMV_MAX_ROWS = 2
-
 
 class Linear(nn.Linear):
     """``nn.Linear`` (no bias) that can use a oneDNN-prepacked copy of its weight on CPU.
@@ -42,10 +36,12 @@ class Linear(nn.Linear):
     # An fp32 copy of the weight where bf16 matmuls are not native here (widens_bf16): the
     # linear then multiplies in fp32 and rounds to bf16 once. Set by Transformer.prepack.
     w32: torch.Tensor | None = None
-    # serving/cpu_kernels.py's GEMV and its copy of the weight, used for at most
-    # GEMV_MAX_ROWS rows of input (decode at small batch); set by Transformer.use_cpu_kernels.
+    # serving/cpu_kernels.py and its copies of the weight, set by Transformer.use_cpu_kernels:
+    # the GEMV's (rows8), used for up to ``kernels.gemv_rows`` rows of input (decode at small
+    # batch), and the AVX2 small GEMM's (cols16), used for more rows where it is built.
     kernels: Any = None
     rows8: torch.Tensor | None = None
+    cols16: torch.Tensor | None = None
 
     def __init__(
         self, in_features: int, out_features: int, *, parts: tuple[tuple[str, int], ...] = ()
@@ -58,15 +54,20 @@ class Linear(nn.Linear):
     def _gemv_fits(self, x: torch.Tensor) -> bool:
         return (
             self.rows8 is not None
-            and x.numel() <= GEMV_MAX_ROWS * self.in_features
+            and x.numel() <= self.kernels.gemv_rows * self.in_features
             and x.dtype == torch.bfloat16
             and x.device.type == "cpu"
             and x.is_contiguous()
         )
 
+    def _gemm_fits(self, x: torch.Tensor) -> bool:
+        return self.cols16 is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemv_fits(x):
             return self.kernels.gemv(x, self.rows8, self.out_features)
+        if self._gemm_fits(x):
+            return self.kernels.gemm(x, self.cols16, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         if self.w32 is not None and x.dtype == torch.bfloat16:
@@ -78,6 +79,8 @@ class Linear(nn.Linear):
         add is a oneDNN post-op; otherwise ``addmm`` (the same bits, measured)."""
         if self._gemv_fits(x) and residual.is_contiguous():
             return self.kernels.gemv(x, self.rows8, self.out_features, residual)
+        if self._gemm_fits(x) and residual.is_contiguous():
+            return self.kernels.gemm(x, self.cols16, self.out_features, residual)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
         if self.w32 is not None and x.dtype == torch.bfloat16:

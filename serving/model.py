@@ -40,7 +40,6 @@ from torch import nn
 from serving import cpu_kernels
 from serving.config import ModelConfig
 from serving.fused_linear import (
-    GEMV_MAX_ROWS,
     FusedHF,
     Linear,
     bf16_matmul_native,
@@ -152,7 +151,7 @@ class MLP(FusedHF):
 
 
 class Block(nn.Module):
-    # Set by Transformer.use_cpu_kernels: decode steps of up to GEMV_MAX_ROWS rows run
+    # Set by Transformer.use_cpu_kernels: decode steps of up to kernels.gemv_rows rows run
     # the whole layer in one C call while all four linears have GEMV copies.
     fused: bool = False
 
@@ -172,7 +171,7 @@ class Block(nn.Module):
         if (
             self.fused
             and ctx.kernels is not None
-            and x.shape[0] <= GEMV_MAX_ROWS
+            and x.shape[0] <= ctx.kernels.gemv_rows
             and x.dtype == torch.bfloat16
             and x.is_contiguous()
             and self._gemv_copies()
@@ -292,7 +291,9 @@ class Transformer(nn.Module):
         with the C kernels (serving/cpu_kernels.py) where they apply: CPU, bf16, a head
         layout they support, and a compiler that built them. Returns whether they are
         on; ``use_cpu_kernels(False)`` goes back to torch ops (and drops the GEMV's
-        weight copies). Call after loading weights: the GEMV packs its own copies."""
+        weight copies). Call after loading weights: the GEMV packs its own copies. Where
+        the AVX2 small GEMM is built it takes every batch past the GEMV's, so a linear's
+        fp32 copy (``prepack`` on a CPU without bf16 matmul hardware) is dropped."""
         cfg = self.config
         w = self.lm_head.weight
         self.kernels = (
@@ -307,8 +308,15 @@ class Transformer(nn.Module):
                     m.kernels = k
                 elif isinstance(m, Linear):
                     gemv = k is not None and k.supports_gemv(m.out_features, m.in_features)
-                    m.kernels = k if gemv else None
+                    gemm = k is not None and k.supports_gemm(m.out_features)
+                    had_gemm = m.cols16 is not None
+                    m.kernels = k if gemv or gemm else None
                     m.rows8 = k.pack_rows8(m.weight) if gemv else None
+                    m.cols16 = k.pack_cols16(m.weight) if gemm else None
+                    if gemm:  # it takes every batch the fp32 copy would have taken
+                        m.w32 = None
+                    elif had_gemm and widens_bf16(m.weight):  # back to the fp32 copy
+                        m.w32 = m.weight.detach().float()
         for layer in self.model.layers:
             layer.fused = layer._gemv_copies()
         return k is not None

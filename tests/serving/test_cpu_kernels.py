@@ -15,7 +15,7 @@ import torch
 import serving.cpu_kernels as ck
 from serving.config import ModelConfig
 from serving.engine import Engine
-from serving.fused_linear import GEMV_MAX_ROWS, Linear
+from serving.fused_linear import Linear, widens_bf16
 from serving.model import Transformer
 
 KERNELS = ck.load()
@@ -36,8 +36,8 @@ def model_of(shape: str) -> Transformer:
 
 def decode_both(m: Transformer, positions: list[int], slots: list[int], *, gemv: bool = True):
     """One decode step with the kernels and one with torch ops on identical caches:
-    (logits, caches) of each. ``gemv=False``: the linears run oneDNN in both, so the
-    attention kernel sees the very same q, k and v as the torch path."""
+    (logits, caches) of each. ``gemv=False``: the linears run torch's way in both (no GEMV,
+    no small GEMM), so the attention kernel sees the very same q, k and v as the torch path."""
     gen = torch.Generator().manual_seed(9)
     m.allocate_cache(max(slots) + 2, 64)
     for c in m.caches():
@@ -50,10 +50,11 @@ def decode_both(m: Transformer, positions: list[int], slots: list[int], *, gemv:
     out = []
     for on in (True, False):
         assert m.use_cpu_kernels(on) is on
-        if not gemv:
+        if not gemv:  # the linears as torch runs them, in both
             for lin in m.modules():
                 if isinstance(lin, Linear):
-                    lin.rows8 = None
+                    lin.rows8 = lin.cols16 = None
+                    lin.w32 = lin.weight.float() if widens_bf16(lin.weight) else None
         for c, s in zip(m.caches(), start, strict=True):
             c.copy_(s)
         with torch.inference_mode():
@@ -99,7 +100,7 @@ needs_gemv = pytest.mark.skipif(
 def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
     shape: str, rows: int, monkeypatch
 ) -> None:
-    """Up to GEMV_MAX_ROWS rows a decode step runs each layer in one C call; its logits
+    """Up to KERNELS.gemv_rows rows a decode step runs each layer in one C call; its logits
     and cache writes are the very bits of the same kernels called op by op (the norms,
     GEMVs, attention, SwiGLU and residual adds rounded alike)."""
     m = model_of(shape)
@@ -125,14 +126,14 @@ def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
             c.copy_(s)
         with torch.inference_mode():
             out.append((m(tokens, pos, slots), [c.clone() for c in m.caches()]))
-    assert len(calls) == (len(m.model.layers) if rows <= GEMV_MAX_ROWS else 0)
+    assert len(calls) == (len(m.model.layers) if rows <= KERNELS.gemv_rows else 0)
     # A layer whose GEMV copies were dropped after the fact runs op by op, not on None.
     for layer in m.model.layers:
         layer.fused = True
     m.model.layers[0].self_attn.o_proj.rows8 = None
     with torch.inference_mode():
         m(tokens, pos, slots)
-    assert len(calls) == (2 * len(m.model.layers) - 1 if rows <= GEMV_MAX_ROWS else 0)
+    assert len(calls) == (2 * len(m.model.layers) - 1 if rows <= KERNELS.gemv_rows else 0)
     (lf, cf), (lo, co) = out
     assert torch.equal(lf, lo)
     assert all(torch.equal(a, b) for a, b in zip(cf, co, strict=True))
@@ -156,15 +157,43 @@ def test_gemv_computes_the_linear(rows: int) -> None:
     # sums in the same order): each row alone gives what it gave in the batch.
     for r in range(rows):
         assert torch.equal(KERNELS.gemv(x[r : r + 1], packed, 40), got[r : r + 1])
-    # The model's Linear takes it up to GEMV_MAX_ROWS rows, oneDNN/torch beyond.
+    # The model's Linear takes it up to KERNELS.gemv_rows rows, oneDNN/torch beyond.
     lin = Linear(96, 40)
     with torch.no_grad():
         lin.weight.copy_(w)
     lin.to(torch.bfloat16)
     lin.kernels, lin.rows8 = KERNELS, packed
     torch.testing.assert_close(lin.forward(x).float(), want, atol=1e-2, rtol=1e-2)
-    big = torch.randn(GEMV_MAX_ROWS + 1, 96, generator=gen).to(torch.bfloat16)
+    big = torch.randn(KERNELS.gemv_rows + 1, 96, generator=gen).to(torch.bfloat16)
     assert torch.equal(lin.forward(big), torch.nn.functional.linear(big, w))
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.has_gemm, reason="the small GEMM is built on AVX2 only"
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13])
+def test_small_gemm_computes_the_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(48, 80, generator=gen) * 0.1).to(torch.bfloat16)  # 3 blocks of 16 rows
+    x = torch.randn(rows, 1, 80, generator=gen).to(torch.bfloat16)
+    res = torch.randn(rows, 1, 48, generator=gen).to(torch.bfloat16)
+    packed = KERNELS.pack_cols16(w)
+    want = x.float() @ w.float().T  # [rows, 1, 48]
+    got = KERNELS.gemm(x, packed, 48)
+    assert got.shape == (rows, 1, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    got_res = KERNELS.gemm(x, packed, 48, res)
+    torch.testing.assert_close(got_res.float(), want + res.float(), atol=2e-2, rtol=1e-2)
+    for r in range(rows):  # each sum runs over the inputs in order, whatever the tile
+        assert torch.equal(KERNELS.gemm(x[r : r + 1], packed, 48), got[r : r + 1])
+    # The model's Linear takes it past the GEMV's rows.
+    lin = Linear(80, 48)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin.to(torch.bfloat16)
+    lin.kernels, lin.cols16 = KERNELS, packed
+    assert torch.equal(lin.forward(x), got)
+    assert torch.equal(lin.add_forward(x, res), got_res)
 
 
 @needs_kernels
