@@ -10,12 +10,13 @@ Presets (parameter counts include the untied embedding and LM head):
   bf16: far more than the ~64 MiB fast cache, so decode is memory-bound. The
   same numbers are the roofline catalog's ``slotune-small`` (search/models.py).
 
-dtype: the demo runs **bfloat16**. On this CPU (AMX, avx512_bf16) bf16 matmul
-peaks near 2.8 TFLOP/s and the decode curve is smooth with a knee near batch
-32-64, which is the shape the roofline predicts. fp32 is supported but has a
-GEMM-kernel cliff (MKL small-M kernels: step time doubles between batch 2 and 4)
-that is an artefact of the library, not the roofline. On CUDA bf16 is the
-natural choice too.
+dtype: the demo runs **bfloat16**: decode reads half the bytes of fp32. On a CPU with
+bf16 matmul hardware (AMX, avx512_bf16) bf16 GEMMs are native and the decode curve is
+smooth with a knee where the roofline puts it; on one without (AVX2 only) the weights
+stay bf16 and the GEMMs multiply in fp32 (docs/serving.md "CPU kernels"). fp32 is
+supported but has a GEMM-kernel cliff (MKL small-M kernels: step time doubles between
+batch 2 and 4) that is an artefact of the library, not the roofline. On CUDA bf16 is
+the natural choice too.
 """
 
 from __future__ import annotations
