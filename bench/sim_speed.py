@@ -13,8 +13,8 @@ and checked to give identical results: ``runs`` (serving/sim.py with the decode-
 fast path and the scalar mirror of the step time, controller/sim_decode_run.py: what
 ``SimTarget.run`` hands it), ``stepwise`` (the mirror, timing every step), ``plain``
 (``SimTarget.step_time`` itself, every step: the truth the others must equal) and,
-with ``--against REF``, serving/ and controller/sim_decode_run.py as they were at git
-commit REF, the way that commit's ``SimTarget.run`` used them (the baseline the
+with ``--against REF``, serving/, controller/sim_decode_run.py and metrics/samples.py as they
+were at git commit REF, the way that commit's ``SimTarget.run`` used them (the baseline the
 speed-ups are relative to).
 
 Usage: ``python bench/sim_speed.py [--quick] [--reps 3] [--against REF]``. Prints a
@@ -57,6 +57,7 @@ REF_MODULES = (
     "sim_observation",
 )  # serving/<name>.py
 REF_CONTROLLER = "sim_decode_run"  # controller/<name>.py, when the reference has it
+REF_METRICS = ("samples",)  # metrics/<name>.py: the verdicts a window's observation computes
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,15 @@ class Reference:
 
 
 def load_reference(ref: str) -> Reference:
-    """serving/sim.py (with the serving modules it imports) and controller/sim_decode_run.py
-    as they were at git ``ref``, imported under a private package name."""
+    """serving/sim.py (with the serving modules it imports), controller/sim_decode_run.py and
+    metrics/samples.py as they were at git ``ref``, imported under a private package name."""
     pkg = f"_sim_ref_{abs(hash(ref)) % 10**8}"
     tmp = Path(tempfile.mkdtemp(prefix="sim_speed_")) / pkg
     tmp.mkdir()
     (tmp / "__init__.py").write_text("")
     files = [(f"serving/{n}.py", n) for n in REF_MODULES]
     files.append((f"controller/{REF_CONTROLLER}.py", REF_CONTROLLER))
+    files += [(f"metrics/{n}.py", n) for n in REF_METRICS]
     have = []
     for path, name in files:
         r = subprocess.run(
@@ -84,6 +86,8 @@ def load_reference(ref: str) -> Reference:
         src = r.stdout
         for other in REF_MODULES:
             src = src.replace(f"from serving.{other} import", f"from {pkg}.{other} import")
+        for other in REF_METRICS:
+            src = src.replace(f"from metrics.{other} import", f"from {pkg}.{other} import")
         (tmp / f"{name}.py").write_text(src)
         have.append(name)
     sys.path.insert(0, str(tmp.parent))

@@ -13,7 +13,8 @@ both, computed from constants of the scenario taken once:
   factor cached per batch). It reads ``plan.totals()``, so the plan's entries are
   never built. Calibrated devices (decode tables) take ``SimTarget.step_time`` itself.
 - ``step_totals()``: for the simulator, once per window, the mirror as a function of a
-  plan's totals, so that a step needs no plan object (checked every 512th call too).
+  plan's totals, so that a step needs no plan object and is one call (checked every
+  512th call too, by the same closure).
 - ``decode_run``: its numpy form for decode-only plans; each run is checked at its
   first and last step against the scalar function.
 
@@ -119,28 +120,24 @@ class DecodeRunStepTime:
     def step_totals(self) -> Callable[[int, int, int, int], float] | None:
         """For the simulator, once per window: ``f(decode_batch, kv_tokens, prefill_tokens,
         prefill_count) -> seconds``, what calling this on a plan of those totals returns
-        (the mirror, checked every 512th call as ``__call__`` checks it), without a plan;
-        None while the mirror is off (time the plans instead)."""
+        (the mirror, checked every 512th call as ``__call__`` checks it, and timing every
+        call with ``step_time`` once a check failed), without a plan; None while the
+        mirror is off (time the plans instead). One closure: a step is one call."""
         c = self._mirrored()
         if c is None:
             return None
-        fast = self._fast
-        calls = 0
-        on = True
 
-        def step_time(b: int, kv: int, ptok: int, nchunks: int) -> float:
-            nonlocal calls, on
-            calls += 1
-            if calls & (_CHECK_EVERY - 1) and on:
-                return fast(b, kv, ptok, nchunks)
+        def check(b: int, kv: int, ptok: int, nchunks: int) -> float:
             plan = plan_of_totals(b, kv, ptok, nchunks)
-            if not on:
+            if self._scalar is None:
                 return self.target.step_time(plan)
             want = self._checked(plan)
-            on = self._scalar is not None
+            if self._scalar is None:
+                stop_mirroring()  # from now on every call is timed by step_time
             return want
 
-        return step_time
+        fn, stop_mirroring = self._mirror_of(c, check)
+        return fn
 
     def _checked(self, plan: StepPlan) -> float:
         want = self.target.step_time(plan)
@@ -160,20 +157,32 @@ class DecodeRunStepTime:
         self._factor = {}
         self._scalar = self._scalar_constants()
         if self._scalar is not None:
-            self._fast = self._mirror_of(self._scalar)
+            self._fast = self._mirror_of(self._scalar)[0]
             self._check_mirror()
         return self._scalar
 
-    def _mirror_of(self, c: tuple) -> Callable[[int, int, int, int], float]:
+    def _mirror_of(
+        self, c: tuple, check: Callable[[int, int, int, int], float] | None = None
+    ) -> tuple[Callable[[int, int, int, int], float], Callable[[], None]]:
         """SimTarget.step_time, uncalibrated roofline, for a plan of the totals
         ``(decode_batch, kv_tokens, prefill_tokens, prefill_count)``: the constants ``c``
-        bound once, the efficiency's factor cached per decode batch."""
+        bound once, the efficiency's factor cached per decode batch. With ``check``, every
+        512th call returns ``check(...)`` instead, and every call once the second function
+        returned (``stop``) was called. Returns (the mirror, stop)."""
         (interf, overhead, tp, wb, kvb, mm_rest, head, attn4, bw, peak, hb, lat, c_ar, ar_l) = c
         bw_mem, bw_link = bw
         factors = self._factor
         factor = self.target.efficiency.factor
+        calls = 0
+        # Calls between two checks, less one (0: check every call; -1: never).
+        mask = -1 if check is None else _CHECK_EVERY - 1
 
         def mirror(b: int, kv: int, ptok: int, nchunks: int) -> float:
+            nonlocal calls
+            if mask >= 0:
+                calls += 1
+                if not calls & mask:
+                    return check(b, kv, ptok, nchunks)  # type: ignore[misc]
             p = round(ptok * interf)
             # Roofline._shape: prefill_sequences = nchunks or None.
             seqs = nchunks if nchunks else (1 if p else 0)
@@ -192,7 +201,11 @@ class DecodeRunStepTime:
                 f = factors[b] = factor(max(1, b))
             return overhead + roof / f
 
-        return mirror
+        def stop() -> None:
+            nonlocal mask
+            mask = 0
+
+        return mirror, stop
 
     def _disable(self, why: str) -> None:
         logger.warning(

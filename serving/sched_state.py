@@ -2,7 +2,7 @@
 
 :class:`SchedulerState` holds what the continuous-batching scheduler knows between
 steps: the FIFO queue, the running set (prefilling, decoding), free KV slots, the
-heap of steps at which decoding requests reach ``max_tokens``, and the view of the
+decoding requests by the step at which they reach ``max_tokens``, and the view of the
 decoding set the plans take (serving/seq_state.py). It takes requests in
 (``validate``, ``add``), out (``abort``, finishing one), changes the batch limit, and
 answers questions about its state. :class:`serving.scheduler.Scheduler` adds the
@@ -21,6 +21,7 @@ from serving.step_plan import Finished, SchedulerConfig, SeqRequest, _is_int
 logger = logging.getLogger(__name__)
 
 _heappush = heapq.heappush
+_heappop = heapq.heappop
 
 
 class SchedulerState:
@@ -43,7 +44,13 @@ class SchedulerState:
         self._dadds: list[Seq] = []
         self._drems: list[Seq] = []
         self._kv_base = 0  # sum over _decoding of prompt_len + 1 - dec_start (see kv_tokens)
-        self._ends: list[tuple[int, int, Seq]] = []  # (step of its last token, order, seq)
+        # The decoding requests by the step of their last token (max_tokens reached), each
+        # list in admission order (see _pop_due), and those steps as a min-heap: a finish
+        # costs an append and a step with finishes one pop of an int, where a heap of
+        # (step, order, seq) entries cost a pop of tuples compared by the dozen per finish.
+        # Entries of requests aborted or stopped since stay until their step (see _pop_due).
+        self._ends: dict[int, list[Seq]] = {}
+        self._end_steps: list[int] = []
         self._step = 0  # updates applied: the index of the next plan
         # (step index, its chunks) of the step planned last, for update_seqs.
         self._pending: tuple[int, list[tuple[Seq, int, int]]] | None = None
@@ -149,6 +156,21 @@ class SchedulerState:
         else:
             self._prefilling.pop(rid, None)
         _heappush(self._free, s.slot)
+
+    def _pop_due(self, k: int) -> list[Seq]:
+        """Take out the requests whose last token is due by step ``k`` (call it when
+        ``_end_steps[0] <= k``), ordered by (that step, admission order); those aborted or
+        stopped since are among them (callers skip a request no longer decoding).
+
+        A step's list is in admission order as it is: requests start decoding in admission
+        order (prefill is FIFO: a request gets a chunk only when every older one got the
+        rest of its prompt, so no request completes its prompt before an older one), and
+        are appended as they start (tests/serving/test_scheduler.py checks it)."""
+        steps = self._end_steps
+        due = self._ends.pop(_heappop(steps))
+        while steps and steps[0] <= k:  # left from an earlier step: stale, in practice
+            due = due + self._ends.pop(_heappop(steps))
+        return due
 
     def _finish(self, s: Seq, reason: str, generated: int, now_s: float) -> Finished:
         self._release(s)

@@ -37,13 +37,13 @@ cost is ``StepPlan.prefill_tokens``.
 
 Cost: a step is O(1) in the decode batch. The scheduler keeps the decoding set
 with running sums (its size, its KV tokens), finds the requests that reach
-``max_tokens`` in a heap keyed by the step they do so, hands plans a view of the
-decoding set rather than a copy, and builds a plan's decode entries and prefill
-chunks only when ``plan.decode`` or ``plan.prefill`` is read (serving/step_plan.py,
-serving/seq_state.py; the state between steps is in serving/sched_state.py). Work
-is per prefill chunk, per admission, per finish and per token handed to ``update``
-(the engine hands one per sequence; the simulator none), so the simulator runs a
-batch of hundreds at the cost of a handful.
+``max_tokens`` by the step they do so (a list per step, a heap of the steps), hands
+plans a view of the decoding set rather than a copy, and builds a plan's decode
+entries and prefill chunks only when ``plan.decode`` or ``plan.prefill`` is read
+(serving/step_plan.py, serving/seq_state.py; the state between steps is in
+serving/sched_state.py). Work is per prefill chunk, per admission, per finish and
+per token handed to ``update`` (the engine hands one per sequence; the simulator
+none), so the simulator runs a batch of hundreds at the cost of a handful.
 
 The simulator's step is the same planning and bookkeeping without the plan object and
 the per-request records: ``schedule_totals`` plans the step as ``schedule`` does (both
@@ -160,10 +160,12 @@ class Scheduler(SchedulerState):
         waiting = self._waiting
         running = self._running
         free = self._free
-        if budget and waiting and free and len(running) < self._max_batch_size:
+        limit = self._max_batch_size
+        if budget and waiting and free and len(running) < limit:
             clock = self._clock
             prefilling = self._prefilling
             waiting_ids = self._waiting_ids
+            order = self._admitted
             while True:
                 s = waiting.popleft()
                 rid = s.rid
@@ -171,8 +173,8 @@ class Scheduler(SchedulerState):
                 at = s.arrival_s
                 s.slot = _heappop(free)
                 s.admitted_s = clock if clock > at else at
-                s.order = self._admitted
-                self._admitted += 1
+                s.order = order
+                order += 1
                 running[rid] = s
                 prefilling[rid] = s
                 length = s.plen
@@ -180,8 +182,9 @@ class Scheduler(SchedulerState):
                     length = budget
                 chunks.append((s, 0, length))
                 budget -= length
-                if not (budget and waiting and free and len(running) < self._max_batch_size):
+                if not (budget and waiting and free and len(running) < limit):
                     break
+            self._admitted = order
         self._pending = (self._step, chunks)
         return chunks, self._chunk_budget - budget
 
@@ -231,12 +234,13 @@ class Scheduler(SchedulerState):
         """Advance the prompts by the step's chunks; the sequences whose prompt it completed
         (they sample their first token), in chunk order."""
         running = self._running
+        prefilling = self._prefilling
         firsts: list[Seq] = []
         for s, start, length in chunks:
             if running.get(s.rid) is s and s.computed == start:  # else aborted since
                 end = s.computed = start + length
                 if end == s.plen:
-                    del self._prefilling[s.rid]
+                    del prefilling[s.rid]
                     s.first_token_s = now_s
                     firsts.append(s)
         return firsts
@@ -245,20 +249,19 @@ class Scheduler(SchedulerState):
         """The end of step ``k`` without tokens: finish the decoding requests that reach
         ``max_tokens``, start the completed prompts decoding (or finish those that wanted
         one token), step on. Returns the finished, in the order ``update`` reports them."""
-        # Without tokens nothing stops early, and the finishes come in this order: the heap
+        # Without tokens nothing stops early, and the finishes come in this order: _pop_due
         # yields the decode batch's by (step, order) and all its live entries are for step
         # k (a request is finished in the update of the step it reaches max_tokens, and
         # skip_decode_steps never skips one), then the prompts' come in chunk order.
         done: list[Seq] = []
-        ends = self._ends
-        if ends and ends[0][0] <= k:
+        end_steps = self._end_steps
+        if end_steps and end_steps[0] <= k:
             decoding = self._decoding
             running = self._running
             drems = self._drems
             free = self._free
             kv_base = self._kv_base
-            while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
-                s = _heappop(ends)[2]
+            for s in self._pop_due(k):  # decoding requests reaching max_tokens
                 rid = s.rid
                 if decoding.get(rid) is not s:
                     continue  # aborted
@@ -277,6 +280,7 @@ class Scheduler(SchedulerState):
             decoding = self._decoding
             dadds = self._dadds
             kv_base = self._kv_base
+            ends = self._ends
             for s in firsts:
                 mt = s.max_tokens
                 if mt == 1:  # never decoded
@@ -289,7 +293,13 @@ class Scheduler(SchedulerState):
                 decoding[s.rid] = s
                 dadds.append(s)
                 kv_base += s.plen + 1 - d
-                _heappush(ends, (d + mt - 2, s.order, s))
+                e = d + mt - 2
+                bucket = ends.get(e)
+                if bucket is None:
+                    ends[e] = [s]
+                    _heappush(end_steps, e)
+                else:
+                    bucket.append(s)
             self._kv_base = kv_base
         self._step = k + 1
         return done
@@ -305,13 +315,13 @@ class Scheduler(SchedulerState):
         # Finished: (0, admission order) for the decode batch, (1, chunk order) for prompts.
         done: list[tuple[tuple[int, int], Finished]] = []
         self._record(sampled, k, firsts, now_s, done)
-        ends = self._ends
-        decoding = self._decoding
-        while ends and ends[0][0] <= k:  # decoding requests reaching max_tokens
-            s = _heappop(ends)[2]
-            if decoding.get(s.rid) is s:
-                g = k - s.dec_start + 2
-                done.append(((0, s.order), self._finish(s, "length", g, now_s)))
+        end_steps = self._end_steps
+        if end_steps and end_steps[0] <= k:
+            decoding = self._decoding
+            for s in self._pop_due(k):  # decoding requests reaching max_tokens
+                if decoding.get(s.rid) is s:
+                    g = k - s.dec_start + 2
+                    done.append(((0, s.order), self._finish(s, "length", g, now_s)))
         running = self._running
         for i, s in enumerate(firsts):
             if running.get(s.rid) is not s:
@@ -331,7 +341,13 @@ class Scheduler(SchedulerState):
         self._decoding[s.rid] = s
         self._dadds.append(s)
         self._kv_base += s.plen + 1 - d
-        _heappush(self._ends, (d + s.max_tokens - 2, s.order, s))
+        e = d + s.max_tokens - 2
+        bucket = self._ends.get(e)
+        if bucket is None:
+            self._ends[e] = [s]
+            _heappush(self._end_steps, e)
+        else:
+            bucket.append(s)
 
     def _record(
         self,
@@ -378,11 +394,22 @@ class Scheduler(SchedulerState):
             or (self._waiting and self._free and len(self._running) < self._max_batch_size)
         ):
             return 0, n, 0
-        ends = self._ends
-        while self._decoding.get(ends[0][2].rid) is not ends[0][2]:
-            _heappop(ends)  # aborted: every decoding request has an entry further on
+        decoding = self._decoding
+        steps = self._end_steps
+        while True:  # the first step with a request still decoding: they all have one
+            e = steps[0]
+            bucket = self._ends[e]
+            s = bucket[0]
+            if decoding.get(s.rid) is s:
+                break
+            live = [s for s in bucket if decoding.get(s.rid) is s]  # some were aborted
+            if live:
+                self._ends[e] = live
+                break
+            del self._ends[e]
+            _heappop(steps)
         k = self._step
-        return ends[0][0] - k, n, self._kv_base + n * k
+        return e - k, n, self._kv_base + n * k
 
     def skip_decode_steps(self, steps: int, now_s: float) -> None:
         """Apply ``steps`` of the steps ``decode_run`` promises at once, without plans;

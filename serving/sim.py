@@ -35,11 +35,16 @@ then per step, per admitted request and fixed per window, and each is kept small
   to its finish; the simulator keeps the finished ones and makes nothing else for them
   in the loop. The observation is computed from their times in numpy at the end, and
   :class:`RequestTiming` records only when ``SimResult.timings`` is read.
+- arrivals while full: those that come while every admission is taken are queued or
+  turned away (counted in one bisect) once, when a request finishes and there is room
+  again (or at the end), not at every step: nothing else changes meanwhile, so it is
+  what doing it step by step gives.
 - per window: arrival times and lengths are read from buffer copies of the drawn arrays
-  (no Python object per arrival made up front: most are turned away, counted in one
-  bisect), step noise is drawn in blocks as needed, the observation sorts each sample
-  set once (serving/sim_observation.py), and the cyclic garbage collector is paused
-  during a run.
+  (no Python object per arrival made up front: most are turned away), step noise is
+  drawn in blocks as needed, the observation sorts each sample set once
+  (serving/sim_observation.py) and its verdicts call scipy.special without
+  scipy.stats' argument handling (metrics/samples.py), and the cyclic garbage collector
+  is paused during a run.
 
 Results are the same, bit for bit, whichever path a step takes
 (tests/serving/test_sim.py checks them against the plain reference loop, and
@@ -330,7 +335,6 @@ def _simulate(
     schedule_totals = sched.schedule_totals
     update = sched.update_seqs
     decode_run = sched.decode_run
-    bisect_right = bisect.bisect_right
 
     run_fn = getattr(step_time, "decode_run", None)
     # A step time of the plan's totals, without the plan (see module doc).
@@ -348,20 +352,22 @@ def _simulate(
     busy = 0.0
     noise: list[float] = []
     k = 0
+    # Arrivals up to full_at came while every admission was taken: they are queued or
+    # turned away, and that is done once when there is room again (or at the end), not
+    # at every step (see the module doc). Only while full: in_flight == limit.
+    full_at = -math.inf
     while t < end_s:
         if arr[i] <= t:
-            while arr[i] <= t and in_flight < limit:
-                add(str(i), plen[i], olen[i], arr[i])
-                in_flight += 1
-                i += 1
-            if arr[i] <= t:  # full: queue or turn away every arrival up to t
-                if queue_limit:
-                    i, turned = _queue_or_reject(arr, i, t, queue, queue_limit, first_counted)
-                else:  # no queue: _queue_or_reject in short
-                    j = bisect_right(arr, t, i)
-                    turned = j - max(i, min(j, first_counted))
-                    i = j
-                rejected += turned
+            if in_flight < limit:
+                if arr[i] <= full_at:  # those that came while it was full, first
+                    i, turned = _queue_or_reject(arr, i, full_at, queue, queue_limit, first_counted)
+                    rejected += turned
+                while arr[i] <= t and in_flight < limit:
+                    add(str(i), plen[i], olen[i], arr[i])
+                    in_flight += 1
+                    i += 1
+            if arr[i] <= t:  # full: queue or turn away every arrival up to t (later)
+                full_at = t
         if not in_flight:  # nothing running or waiting in the engine
             if i >= n:
                 break
@@ -385,10 +391,7 @@ def _simulate(
                 stop_s = arr[i] if in_flight < limit and arr[i] < end_s else end_s
                 took, last_start, t, busy = _run_steps(base, slowdown, noise, k, t, busy, stop_s)
                 if arr[i] <= last_start:  # arrivals while full, as each step saw them
-                    i, turned = _queue_or_reject(
-                        arr, i, last_start, queue, queue_limit, first_counted
-                    )
-                    rejected += turned
+                    full_at = last_start
                 took = min(took, max_steps + 1 - steps)
                 k += took
                 steps += took
@@ -417,10 +420,16 @@ def _simulate(
             in_flight -= len(done)
             if warmup_s <= t <= end_s:
                 keep(done)
+            if queue_limit and arr[i] <= full_at:  # the queue as it was before this step
+                i, turned = _queue_or_reject(arr, i, full_at, queue, queue_limit, first_counted)
+                rejected += turned
             while queue and in_flight < limit:
                 j = queue.popleft()
                 add(str(j), plen[j], olen[j], arr[j])
                 in_flight += 1
+    if arr[i] <= full_at:
+        i, turned = _queue_or_reject(arr, i, full_at, queue, queue_limit, first_counted)
+        rejected += turned
     finished = list(itertools.chain.from_iterable(kept))
     obs = observation_from_timings(
         finished,

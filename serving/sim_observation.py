@@ -8,7 +8,8 @@ Speed: a window's observation is a fixed cost of every simulated window, so each
 set is sorted once, its percentiles are read off the sorted array at the nearest ranks
 :func:`metrics.samples.exact_quantile` takes, and its verdict is
 :func:`metrics.samples.verdict_from_counts` of the count above the threshold (what
-``verdict_from_samples`` computes, without sorting the samples again for each call).
+``verdict_from_samples`` computes, without sorting the samples again for each call; its
+binomial and beta functions skip scipy.stats' per-call argument handling).
 tests/serving/test_sim.py checks the result against the plain per-request computation.
 """
 

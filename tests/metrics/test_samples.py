@@ -119,3 +119,66 @@ def test_histogram_verdict_brackets_when_threshold_between_bounds() -> None:
 def test_histogram_verdict_insufficient_without_observations() -> None:
     v = verdict_from_histogram({1.0: 0.0, math.inf: 0.0}, 1.0, math.nan)
     assert v.verdict is Verdict.INSUFFICIENT and v.samples == 0
+
+
+def test_scalar_binomial_and_beta_helpers_equal_scipy_stats_bit_for_bit() -> None:
+    # verdict_from_counts and exceed_fraction_bounds call scipy.special directly (speed);
+    # scipy.stats on arrays evaluates the same functions element by element.
+    from scipy import stats
+
+    from metrics.samples import _beta_ppf, _binom_cdf, _binom_sf
+
+    rng = np.random.default_rng(5)
+    n = np.concatenate([np.repeat(np.arange(1, 400), 8), rng.integers(1, 20_000, 4000)])
+    k = np.concatenate([np.tile(np.arange(-1, 7), 399), rng.integers(-1, 60, 4000)])
+    k = np.minimum(k, n + 1)
+    for p in (0.01, 0.05, 1 - 0.99, 1 - 0.9, 0.5):
+        cdf = stats.binom.cdf(k, n, p)
+        sf = stats.binom.sf(k, n, p)
+        for j in range(0, len(n), 7):
+            nj, kj = int(n[j]), int(k[j])
+            assert _binom_cdf(kj, nj, p) == cdf[j], (kj, nj, p)
+            assert _binom_sf(kj, nj, p) == sf[j], (kj, nj, p)
+    a = np.maximum(k, 1)
+    b = np.maximum(n - k, 1)
+    for q in (0.05, 0.95, 1 - 0.95, 0.9, 0.0, 1.0):
+        ppf = stats.beta.ppf(q, a, b)
+        for j in range(0, len(n), 7):
+            got = _beta_ppf(q, int(a[j]), int(b[j]))
+            assert got == ppf[j] or (math.isnan(got) and math.isnan(ppf[j])), (q, a[j], b[j])
+
+
+def test_verdict_from_counts_equals_the_scipy_stats_computation() -> None:
+    from scipy import stats
+
+    from metrics.observation import SloVerdict
+
+    def reference(total: int, above: int, q: float, confidence: float) -> SloVerdict:
+        allowed, alpha = 1 - q, 1 - confidence
+        if total == 0:
+            verdict = Verdict.INSUFFICIENT
+        elif stats.binom.cdf(above, total, allowed) <= alpha:
+            verdict = Verdict.MET
+        elif above > 0 and stats.binom.sf(above - 1, total, allowed) <= alpha:
+            verdict = Verdict.VIOLATED
+        else:
+            verdict = Verdict.INSUFFICIENT
+        lo = 0.0 if above == 0 else float(stats.beta.ppf(alpha, above, total - above + 1))
+        hi = 1.0 if above == total else float(stats.beta.ppf(confidence, above + 1, total - above))
+        return SloVerdict(
+            verdict=verdict,
+            threshold_s=1.0,
+            estimate_s=0.5,
+            samples=total,
+            confidence=confidence,
+            exceed_fraction_upper=hi if total else 1.0,
+            exceed_fraction_lower=lo if total else 0.0,
+        )
+
+    rng = np.random.default_rng(9)
+    pairs = [(n, k) for n in (0, 1, 2, 20, 298, 299, 300, 1000) for k in range(min(n, 12) + 1)]
+    pairs += [(int(n), int(rng.integers(0, n + 1) ** 0.5)) for n in rng.integers(1, 5000, 150)]
+    for total, above in pairs:
+        for q, conf in ((0.99, 0.95), (0.9, 0.9), (0.95, 0.99)):
+            got = verdict_from_counts(total, above, 1.0, 0.5, q=q, confidence=conf)
+            assert got == reference(total, above, q, conf), (total, above, q, conf)

@@ -483,3 +483,37 @@ def test_the_simulators_step_is_schedule_and_update_without_the_plan() -> None:
         assert [s.timing() for s in got] == [f.timing for f in want]
     with pytest.raises(ValueError, match="schedule the step first"):
         b.update_seqs(t)
+
+
+@pytest.mark.parametrize("with_tokens", [False, True])
+def test_requests_start_decoding_in_admission_order(with_tokens: bool) -> None:
+    """The lists of requests by the step of their last token are in admission order
+    without sorting (_pop_due relies on it): FIFO prefill starts them in that order."""
+    import random
+
+    rng = random.Random(11 + with_tokens)
+    for chunk in (1, 7, 16, 64):
+        s = make(max_slots=8, max_batch_size=6, max_len=128, prefill_chunk=chunk)
+        t = 0.0
+        for i in range(400):
+            for _ in range(rng.randint(0, 3)):
+                s.add(
+                    req(
+                        f"r{i}.{rng.random()}",
+                        prompt_len=rng.randint(1, 60),
+                        max_tokens=rng.randint(1, 40),
+                        arrival_s=t,
+                        stop_ids=frozenset({3}),
+                    )
+                )
+            if i % 23 == 7 and s.active_ids():
+                s.abort(rng.choice(s.active_ids()))
+            if not s.has_work:
+                continue
+            plan = s.schedule(t)
+            t += 0.01
+            sampled = {r: rng.randint(0, 40) for r in plan.sampling_ids()} if with_tokens else {}
+            s.update(plan, sampled, t)
+            for bucket in s._ends.values():
+                orders = [q.order for q in bucket]
+                assert orders == sorted(orders)

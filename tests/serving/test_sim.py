@@ -215,6 +215,14 @@ EQUIV_CASES = {
             max_slots=8, max_len=2048, prefill_chunk=64, queue_limit=30, warmup_s=1.0, window_s=5.0
         ),
     ),
+    "queue-full-for-long": dict(  # arrivals queued and turned away while it is full
+        max_batch_size=4,
+        max_concurrency=4,
+        workload=Workload.preset("short", rate_rps=300.0),
+        config=SimConfig(
+            max_slots=4, max_len=2048, prefill_chunk=64, queue_limit=5, warmup_s=1.0, window_s=5.0
+        ),
+    ),
     "light-load-single-stream": dict(
         max_batch_size=1,
         max_concurrency=1,
