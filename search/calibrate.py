@@ -270,13 +270,27 @@ def _calibrate(
             rates = DecodeProfile(
                 weight_rate=monotone_rates(wr, lambda b: 1.0), kv_rate=monotone_rates(kr, float)
             )
+            lw, lkv = _layer_bytes(model, d, plan.context)
+            # A layer that runs faster whole than its linears called one by one plus its
+            # attention and the hot overhead (the whole-layer C call at the GEMV's batches:
+            # one thread team, no return to Python between its four linears) streams its
+            # weights faster than the linears timed alone: there the profile takes the
+            # weight rate the whole layer implies, so the prediction adds up to it.
+            fused = dict(wr)
+            for b, full in stream["full"].items():
+                spare = full - b * lkv / rates.kv_rate_at(b) - ov.get(b, 0.0)
+                if spare > 0 and lw / spare > rates.weight_rate_at(b):
+                    fused[b] = lw / spare
+            if fused != wr:
+                rates = DecodeProfile(
+                    weight_rate=monotone_rates(fused, lambda b: 1.0), kv_rate=rates.kv_rate
+                )
             # A layer's overhead as a real step pays it (cold caches between the
             # linears): the whole mirrored layer beyond its linears and attention as
             # the profile's own rates time them, so the prediction at these batches
             # adds up to the layer measured whole (residuals against the pieces
             # timed alone, each the best of its own tries, summed too low). Never
             # below the pieces timed hot.
-            lw, lkv = _layer_bytes(model, d, plan.context)
             rs = {
                 b: layer_residual(full, lw / rates.weight_rate_at(b), b * lkv / rates.kv_rate_at(b))
                 for b, full in stream["full"].items()
@@ -291,6 +305,7 @@ def _calibrate(
             }
             raw[d] = {
                 "weight_rate": wr,
+                "weight_rate_whole_layer": {b: r for b, r in fused.items() if r != wr.get(b)},
                 "kv_rate": kr,
                 "layer_s": ov,
                 "step_s": so,

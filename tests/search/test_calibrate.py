@@ -70,6 +70,7 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
         raw = quick.measured["raw"][dt]
         assert set(raw) == {
             "weight_rate",
+            "weight_rate_whole_layer",
             "kv_rate",
             "layer_s",
             "step_s",
@@ -81,6 +82,12 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
         # At the measured batches a layer's predicted time adds up to the mirrored
         # layer timed whole (the residual is taken against the profile's own rates).
         lw, lkv = _layer_bytes(TINY, dt, plan.context)
+        # Where a layer ran faster whole than its linears one by one plus attention and the
+        # hot overhead (the whole-layer C call), the weight rate is the one it implies.
+        for b, r in raw["weight_rate_whole_layer"].items():
+            assert r > raw["weight_rate"][b]
+            implied = lw / r + b * lkv / prof.kv_rate_at(b) + raw["layer_s"][b]
+            assert implied == pytest.approx(raw["layer_full_s"][b])
         for b, full in raw["layer_full_s"].items():
             parts = lw / prof.weight_rate_at(b) + b * lkv / prof.kv_rate_at(b)
             assert raw["layer_residual_s"][b] == pytest.approx(max(0.0, full - parts))
