@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class CalibrationPlan:
-    """How much to measure. Presets: ``full`` (~20-30 s on 2 busy CPU cores), ``quick`` (tests).
+    """How much to measure. Presets: ``full`` (~30-45 s on 2 CPU cores), ``quick`` (tests).
 
     Calibrate under the OpenMP wait policy and thread count the served process
     will run (``calibrate(threads=...)``; the measured block records both). With
