@@ -6,7 +6,8 @@ tokens; the cache is filled with random values first: an untouched cache reads
 as shared zero pages and hides its traffic). Reported per batch:
 
 - measured step time: the best of the timed reps after warm-up, over
-  ``--passes`` passes across all batches spread in time, as the calibration
+  ``--passes`` passes across all batches, each run right after a pass of the
+  calibration (interleaved: both see the same spells of the machine), as the calibration
   takes its figures (on cores shared with other work, or a VM whose speed drifts,
   the best rep is the uncontended one); the median is printed beside it; tokens/s;
 - the ideal roofline of the calibrated device, max(bytes / measured bandwidth,
@@ -145,27 +146,42 @@ def main() -> None:
         for c in eng.model.caches():
             c.normal_()  # a cache never written reads as zero pages: fill it
     threads = torch.get_num_threads()
+    # Passes over all batches, each batch's best kept: a slow spell of the machine (other
+    # work, the VM's neighbours) then spoils one pass of a batch, not the batch, and
+    # measured and predicted times are the same statistic (the device's uncontended
+    # speed). With a calibration in the run, pass i runs right after the calibration's
+    # pass i (its after_pass hook), so both sample the same stretch of time: this VM's
+    # speed drifts by 20-40% over tens of seconds, and a calibration minutes before the
+    # steps judged the drift, not the prediction.
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    per_pass = -(-args.reps // args.passes)  # at least --reps in all
+    passes_done = 0
+
+    def step_pass(*_: object) -> None:
+        nonlocal passes_done
+        if passes_done < args.passes:
+            for b in batches:
+                times[b] += time_step(eng, b, args.context, per_pass, args.budget_s / args.passes)
+            passes_done += 1
+
     if args.hardware:
         hw = HardwareSpec.from_json(args.hardware)
         cal_s = 0.0
     else:
-        t0 = time.perf_counter()
         cal = calibrate(
-            device=args.device, plan=PLANS[args.plan], model=spec, dtypes=(dt,), threads=threads
+            device=args.device,
+            plan=PLANS[args.plan],
+            model=spec,
+            dtypes=(dt,),
+            threads=threads,
+            after_pass=step_pass,
         )
-        hw, cal_s = cal.spec, time.perf_counter() - t0
+        hw, cal_s = cal.spec, cal.elapsed_s
+    while passes_done < args.passes:  # no calibration, or one with fewer passes
+        step_pass()
     ideal = Roofline(model=spec, hardware=hw.without_calibration(), dtype=dt, context=args.context)
     calibrated = Roofline(model=spec, hardware=hw, dtype=dt, context=args.context)
 
-    # Passes over all batches, spread in time like the calibration's passes, each
-    # batch's best kept: a slow spell of the machine (other work, the VM's
-    # neighbours) then spoils one pass of a batch, not the batch, and measured and
-    # predicted times are the same statistic (the device's uncontended speed).
-    times: dict[int, list[float]] = {b: [] for b in batches}
-    per_pass = -(-args.reps // args.passes)  # at least --reps in all
-    for _ in range(args.passes):
-        for b in batches:
-            times[b] += time_step(eng, b, args.context, per_pass, args.budget_s / args.passes)
     rows = []
     for b in batches:
         measured, median = min(times[b]), statistics.median(times[b])

@@ -248,3 +248,25 @@ def test_bf16_matmul_peak_multiplies_as_the_engine_does(monkeypatch, widen: bool
     monkeypatch.setattr(cal, "best_time", lambda fn, *a: seen.append(fn().dtype) or 0.5)
     assert cal.measure_matmul_peak(torch.device("cpu"), "bf16", 8, 1) == 2.0 * 8**3 / 0.5
     assert seen == [torch.float32 if widen else torch.bfloat16]
+
+
+def test_after_pass_interleaves_work_outside_the_calibration_time(monkeypatch) -> None:
+    """bench/engine.py times its steps between the calibration's passes: the hook runs
+    after each pass, and its time is neither the calibration's elapsed time nor counted
+    against the plan's max_s."""
+    import dataclasses
+    import time
+
+    plan = dataclasses.replace(PLANS["quick"], passes=2, max_s=600.0)
+    real = time.perf_counter
+    jump = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + jump[0])
+    calls = []
+
+    def work(dtype: str, i: int) -> None:  # an hour of work, as the clock sees it
+        calls.append((dtype, i))
+        jump[0] += 3600.0
+
+    cal = calibrate(device="cpu", plan=plan, model=TINY, dtypes=("fp32",), after_pass=work)
+    assert calls == [("fp32", 0), ("fp32", 1)]  # counted, the hour would cut pass 2
+    assert 0 < cal.elapsed_s < 600
