@@ -25,6 +25,7 @@ this device. Writing it to disk is the caller's job (the CLI).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -47,7 +48,12 @@ from search.decode_shapes import (
     measure_layer_overhead,
     measure_step_overhead,
 )
-from search.decode_step import measure_step_in_stream, measure_weight_rate_on, timing_model
+from search.decode_step import (
+    measure_step_in_stream,
+    measure_weight_rate_on,
+    measure_whole_step,
+    timing_model,
+)
 from search.hardware import BYTES_PER_ELEM, DecodeProfile, HardwareSpec
 from search.models import ModelSpec
 from serving.fused_linear import widens_bf16
@@ -170,6 +176,16 @@ def _head_bytes(model: ModelSpec, dtype: str) -> int:
     return model.embedding_params * BYTES_PER_ELEM[dtype]
 
 
+def _profile_step_s(
+    prof: DecodeProfile, model: ModelSpec, lw: int, lkv: int, head_bytes: int, b: int
+) -> float:
+    """The step time a profile predicts at batch ``b`` (tp=1, the calibrated context), added
+    up as search/roofline.py adds it: the layers' linears, attention and overhead, the
+    lm_head, the step overhead."""
+    layer = lw / prof.weight_rate_at(b) + b * lkv / prof.kv_rate_at(b) + prof.layer_overhead_at(b)
+    return model.layers * layer + head_bytes / prof.weight_rate_at(b) + prof.step_overhead_at(b)
+
+
 def calibrate(
     *,
     device: str | None = None,
@@ -242,6 +258,7 @@ def _calibrate(
             so: dict[int, float] = {}
             stream: dict[str, dict[int, float]] = {"full": {}, "linears": {}, "attention": {}}
             step_stream: dict[int, float] = {}
+            whole: dict[int, float] = {}  # whole steps, where the timing model is the model
             # The serving model itself at the reference model's shapes (built once per
             # dtype): its own layers and its own step outside them are timed in stream.
             timing = timing_model(dev, d, model, plan.context)
@@ -271,6 +288,13 @@ def _calibrate(
                 _keep(
                     step_stream,
                     measure_step_in_stream(
+                        dev, d, model, plan.kv_batches, plan.context, *args, timing=timing
+                    ),
+                    min,
+                )
+                _keep(
+                    whole,
+                    measure_whole_step(
                         dev, d, model, plan.kv_batches, plan.context, *args, timing=timing
                     ),
                     min,
@@ -329,12 +353,26 @@ def _calibrate(
             }
             ov = {b: max(ov[b], rs.get(b, 0.0)) for b in ov}
             so = {b: max(so[b], srs.get(b, 0.0)) for b in so}
-            decode[d] = DecodeProfile(
+            prof = DecodeProfile(
                 weight_rate=rates.weight_rate,
                 kv_rate=rates.kv_rate,
                 layer_overhead_s=monotone_rates(ov, None),
                 step_overhead_s=monotone_rates(so, None),
             )
+            # A whole step can take longer than its layers and the step outside them
+            # timed apart (measured at B=1 on an AVX2 VM: ~1 ms of a ~7 ms step): what it
+            # takes beyond the profile's prediction joins the step overhead, so the
+            # prediction adds up to the whole step at these batches.
+            beyond = {
+                b: full - _profile_step_s(prof, model, lw, lkv, hw_bytes, b)
+                for b, full in whole.items()
+            }
+            raw[d]["step_whole_s"] = dict(whole)
+            raw[d]["step_beyond_s"] = beyond
+            if any(v > 0 for v in beyond.values()):
+                so = {b: prof.step_overhead_at(b) + max(0.0, beyond.get(b, 0.0)) for b in so}
+                prof = dataclasses.replace(prof, step_overhead_s=monotone_rates(so, None))
+            decode[d] = prof
     elapsed = time.perf_counter() - t0 - outside
     if dev.type == "cuda":
         capacity = float(torch.cuda.get_device_properties(dev).total_memory)

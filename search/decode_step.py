@@ -142,6 +142,53 @@ def measure_step_in_stream(
     return out
 
 
+def measure_whole_step(
+    dev: torch.device,
+    dtype: str,
+    model: ModelSpec,
+    batches: Sequence[int],
+    context: int,
+    reps: int,
+    budget_s: float = 0.0,
+    *,
+    timing: Transformer,
+) -> dict[int, float]:
+    """batch -> seconds of a whole decode step run by the engine's code (the host work, the
+    model's forward over all its layers, sampling), each call after a read that evicts
+    the caches. The layers and the step outside them are timed apart too
+    (:mod:`search.decode_layer`, :func:`measure_step_in_stream`); a whole step can take
+    longer than the two added up, and the calibration adds what it takes beyond them to
+    the step overhead. Empty unless ``timing`` holds all of the model's layers and its
+    embedding and lm_head fit the working-set cap."""
+    if len(timing.model.layers) != model.layers or not head_fits(model, dtype):
+        return {}
+    t = timing
+    evict_buf = filled((EVICT_BYTES // 4,), dev, torch.float32)  # [N]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    by_slot = operator.attrgetter("slot")
+    out: dict[int, float] = {}
+    for b in batches:
+        t.allocate_cache(b, context)
+        for c in t.caches():  # [2, S, Hkv, L, D]
+            c.fill_(0.5)  # every page written: untouched pages read as one shared zero page
+        entries = [
+            DecodeEntry(request_id=f"r{i}", slot=i, position=context - 1, token=i % model.vocab)
+            for i in range(b)
+        ]
+        rows = [e.request_id for e in entries]
+        temps = dict.fromkeys(rows, 0.0)
+
+        def step(entries: list[DecodeEntry] = entries, rows: list = rows, temps: dict = temps):
+            ordered = sorted(entries, key=by_slot)
+            tokens, pos, slots, start, _ = decode_inputs(ordered, context, dev)
+            draw(rows, t(tokens, pos, slots, slot_start=start), temps, gen)  # logits [B, V]
+
+        out[b] = best_time_cold(step, evict_buf.sum, dev, reps, budget_s)
+        logger.info("%s whole decode step at B=%d: %.2f ms", dtype, b, out[b] * 1e3)
+    t.allocate_cache(1, 1)  # drop the last batch's cache
+    return out
+
+
 def _step_outside_layers(
     t: Transformer,
     entries: list[DecodeEntry],

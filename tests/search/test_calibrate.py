@@ -78,7 +78,17 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
             "layer_full_s",
             "step_residual_s",
             "step_full_s",
+            "step_whole_s",
+            "step_beyond_s",
         }
+        # A whole step by the engine's code (the tiny model fits: all its layers): the
+        # roofline's prediction adds up to it at least at the largest batch (what a whole
+        # step took beyond its parts timed apart joined the step overhead; below, the
+        # smoothing may lower a batch to a larger one's time).
+        assert set(raw["step_whole_s"]) == set(plan.kv_batches)
+        roof = Roofline(model=TINY, hardware=spec, dtype=dt, context=plan.context)
+        top_whole = raw["step_whole_s"][plan.kv_batches[-1]]
+        assert roof.step_time_s(plan.kv_batches[-1]) >= top_whole * (1 - 1e-6)
         # At the measured batches a layer's predicted time adds up to the mirrored
         # layer timed whole (the residual is taken against the profile's own rates).
         lw, lkv = _layer_bytes(TINY, dt, plan.context)
@@ -106,6 +116,7 @@ def test_quick_calibration_measures_every_figure(quick) -> None:
             )
         assert prof.step_overhead_s[top] == pytest.approx(
             max(raw["step_s"][top], raw["step_residual_s"][top])
+            + max(0.0, raw["step_beyond_s"][top])
         )
         # The overhead used is never below the hot-timed pieces (smoothed: a batch
         # takes no more than a larger one was measured at).
