@@ -280,10 +280,17 @@ class Transformer(nn.Module):
         return on
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), .cuda(), ...
-        # The kernels' weight copies and flags describe the old dtype and device: drop
-        # them (call use_cpu_kernels again after moving the model).
+        # The kernels' weight copies and flags, and the prepacked and fp32 copies, describe
+        # the old dtype and device: drop them (call prepack and use_cpu_kernels again after
+        # moving the model).
         if getattr(self, "kernels", None) is not None:
             self.use_cpu_kernels(False)
+        if any(
+            m.packed is not None or m.w32 is not None
+            for m in self.modules()
+            if isinstance(m, Linear)
+        ):
+            self.prepack(False)
         return super()._apply(fn, *args, **kwargs)
 
     def use_cpu_kernels(self, enable: bool = True) -> bool:

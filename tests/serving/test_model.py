@@ -213,6 +213,10 @@ def test_without_bf16_hardware_linears_and_attention_multiply_in_fp32(monkeypatc
     torch.testing.assert_close(wide, plain, atol=0.05, rtol=0.05)  # bf16 sums, other order
     m.prepack(False)
     assert all(lin.w32 is None for lin in _linears(m))
+    m.prepack()  # a moved model drops its copies: they describe the old dtype
+    m.float()
+    assert all(lin.w32 is None for lin in _linears(m))
+    assert m(toks, pos, last_only=False).dtype == torch.float32
 
 
 def _linears(m: Transformer) -> list[Linear]:
