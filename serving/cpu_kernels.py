@@ -130,7 +130,7 @@ class Kernels:
         on bf16 weights widened in registers (x widened once), fp32 sums over the input
         features in order, rounded once: [..., O] bf16."""
         i = x.shape[-1]
-        x32 = x.reshape(-1, i).float()  # [M, I]: a copy, contiguous
+        x32 = x.reshape(-1, i).float().contiguous()  # [M, I] (float keeps a dense layout)
         out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
         self._gemm(
             x32.data_ptr(),

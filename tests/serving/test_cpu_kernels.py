@@ -186,6 +186,10 @@ def test_small_gemm_computes_the_linear(rows: int) -> None:
     torch.testing.assert_close(got_res.float(), want + res.float(), atol=2e-2, rtol=1e-2)
     for r in range(rows):  # each sum runs over the inputs in order, whatever the tile
         assert torch.equal(KERNELS.gemm(x[r : r + 1], packed, 48), got[r : r + 1])
+    # A non-contiguous x (a transposed view) reads as its values, not its storage order.
+    xt = x.reshape(rows, 80).t().contiguous().t()  # [rows, 80], column-major strides
+    assert xt.is_contiguous() == (rows == 1)
+    assert torch.equal(KERNELS.gemm(xt, packed, 48), got.reshape(rows, 48))
     # The model's Linear takes it past the GEMV's rows.
     lin = Linear(80, 48)
     with torch.no_grad():
