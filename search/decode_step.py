@@ -156,10 +156,11 @@ def measure_whole_step(
     """batch -> seconds of a whole decode step run by the engine's code (the host work, the
     model's forward over all its layers, sampling), each call after a read that evicts
     the caches. The layers and the step outside them are timed apart too
-    (:mod:`search.decode_layer`, :func:`measure_step_in_stream`); a whole step can take
-    longer than the two added up, and the calibration adds what it takes beyond them to
-    the step overhead. Empty unless ``timing`` holds all of the model's layers and its
-    embedding and lm_head fit the working-set cap."""
+    (:mod:`search.decode_layer`, :func:`measure_step_in_stream`); a whole step differs
+    from the two added up (~1 ms longer at B=1 on an AVX2 VM), and the calibration moves
+    the step overhead by the difference so its prediction adds up to the whole step.
+    Empty unless ``timing`` holds all of the model's layers and its embedding and lm_head
+    fit the working-set cap."""
     if len(timing.model.layers) != model.layers or not head_fits(model, dtype):
         return {}
     t = timing
