@@ -4,7 +4,7 @@ Hand-kept mirrors of the serving model drift from it, and time in a tight loop
 what a real step pays on cold caches. This module builds the serving model itself
 (:meth:`serving.model.Transformer.for_timing`: real-size random weights, prepacked
 as the engine prepacks them) with as many decoder layers as the working-set cap
-allows, and times two parts of a decode step with the engine's own code:
+allows, and times parts of a decode step with the engine's own code:
 
 - :func:`measure_step_in_stream`: everything a step does outside its decoder
   layers, as the executor runs it (serving/executor.py ``decode_inputs``: the
@@ -14,7 +14,9 @@ allows, and times two parts of a decode step with the engine's own code:
   to Python), each call after a read of a buffer twice the last-level cache, as a
   real step reaches its epilogue after streaming the last layer's weights;
 - the decoder layers themselves (:mod:`search.decode_layer` runs the model's own
-  ``Block.forward`` on this model).
+  ``Block.forward`` on this model);
+- :func:`measure_whole_step`: the whole step, where the timing model is the whole model,
+  which the prediction is made to add up to at the calibrated batches.
 
 Neither is the whole step: the calibration decomposes both against the rates it
 measured (weight bytes per second, KV bytes per second), so the profile predicts
