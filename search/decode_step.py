@@ -18,9 +18,9 @@ allows, and times parts of a decode step with the engine's own code:
 - :func:`measure_whole_step`: the whole step, where the timing model is the whole model,
   which the prediction is made to add up to at the calibrated batches.
 
-Neither is the whole step: the calibration decomposes both against the rates it
-measured (weight bytes per second, KV bytes per second), so the profile predicts
-other batches, contexts and layer counts from per-layer and per-step parts.
+The calibration decomposes the parts against the rates it measured (weight bytes per
+second, KV bytes per second), so the profile predicts other batches, contexts and layer
+counts from per-layer and per-step parts.
 """
 
 from __future__ import annotations
