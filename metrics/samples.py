@@ -27,7 +27,13 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 from scipy import stats
-from scipy.special import _ufuncs as _scu  # what scipy.stats' binom and beta evaluate
+
+try:  # what scipy.stats' binom and beta evaluate: private names (scipy 1.17 has them)
+    from scipy.special._ufuncs import _beta_ppf as _uf_beta_ppf
+    from scipy.special._ufuncs import _binom_cdf as _uf_binom_cdf
+    from scipy.special._ufuncs import _binom_sf as _uf_binom_sf
+except ImportError:  # a scipy that moved them: the public (slower) calls, the same values
+    _uf_beta_ppf = _uf_binom_cdf = _uf_binom_sf = None
 
 from metrics.observation import SloVerdict, Verdict
 
@@ -103,7 +109,9 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
         return 0.0
     if k >= n:
         return 1.0
-    v = float(_scu._binom_cdf(float(k), float(n), float(p)))
+    if _uf_binom_cdf is None:
+        return float(stats.binom.cdf(k, n, p))
+    v = float(_uf_binom_cdf(float(k), float(n), float(p)))
     return 0.0 if v < 0 else 1.0 if v > 1 else v  # np.clip(v, 0, 1), NaN kept
 
 
@@ -113,15 +121,17 @@ def _binom_sf(k: int, n: int, p: float) -> float:
         return 1.0
     if k >= n:
         return 0.0
-    v = float(_scu._binom_sf(float(k), float(n), float(p)))
+    if _uf_binom_sf is None:
+        return float(stats.binom.sf(k, n, p))
+    v = float(_uf_binom_sf(float(k), float(n), float(p)))
     return 0.0 if v < 0 else 1.0 if v > 1 else v  # np.clip(v, 0, 1), NaN kept
 
 
 def _beta_ppf(q: float, a: float, b: float) -> float:
     """``stats.beta.ppf(q, a, b)``."""
-    if not (0 < q < 1 and a > 0 and b > 0):
+    if _uf_beta_ppf is None or not (0 < q < 1 and a > 0 and b > 0):
         return float(stats.beta.ppf(q, a, b))  # its special cases
-    return float(_scu._beta_ppf(float(q), float(a), float(b)) * 1.0 + 0.0)  # as ppf scales
+    return float(_uf_beta_ppf(float(q), float(a), float(b)) * 1.0 + 0.0)  # as ppf scales
 
 
 def exceed_fraction_bounds(total: int, above: int, confidence: float) -> tuple[float, float]:

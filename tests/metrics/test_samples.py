@@ -148,8 +148,15 @@ def test_scalar_binomial_and_beta_helpers_equal_scipy_stats_bit_for_bit() -> Non
             assert got == ppf[j] or (math.isnan(got) and math.isnan(ppf[j])), (q, a[j], b[j])
 
 
-def test_verdict_from_counts_equals_the_scipy_stats_computation() -> None:
+@pytest.mark.parametrize("private", [True, False])
+def test_verdict_from_counts_equals_the_scipy_stats_computation(private: bool, monkeypatch) -> None:
     from scipy import stats
+
+    import metrics.samples as ms
+
+    if not private:  # a scipy without the private ufuncs: the public calls instead
+        for name in ("_uf_beta_ppf", "_uf_binom_cdf", "_uf_binom_sf"):
+            monkeypatch.setattr(ms, name, None)
 
     from metrics.observation import SloVerdict
 
