@@ -14,7 +14,9 @@ jitter (``step_noise_cv``) and a per-run slowdown (``window_noise_cv``: a noisy
 neighbour for the whole window). A run measures the requests that finish in
 ``[warmup_s, warmup_s + window_s]`` and returns the same :class:`Observation` a
 deployment yields: exact percentiles and three-way SLO verdicts from the
-per-request samples (:mod:`metrics.samples`). Deterministic under a seed.
+per-request samples (:mod:`metrics.samples`). Deterministic under a seed. The window's
+configuration and result types (:class:`SimConfig`, :class:`SimResult`) live in
+serving/sim_result.py and are imported from here as before.
 
 Speed. The scheduler costs O(1) per step whatever the decode batch and builds no
 plan entries the simulator does not read (see serving/scheduler.py). A window's cost is
@@ -61,14 +63,14 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from metrics.observation import Observation, Slo
-from serving.scheduler import RequestTiming, Scheduler, SchedulerConfig, StepPlan
+from metrics.observation import Slo
+from serving.scheduler import Scheduler, SchedulerConfig, StepPlan
 from serving.seq_state import Seq
 from serving.sim_observation import SEQ_TIMES, observation_from_timings
+from serving.sim_result import SimConfig, SimResult
 from serving.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -83,114 +85,6 @@ _NOISE_BLOCK = 512
 _MIN_RUN = 4  # decode-only steps worth one vectorised call of the step-time function
 # ... when the step time of a plan's totals is offered too: shorter runs are timed by it.
 _MIN_VECTOR = 24
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimConfig:
-    """One engine replica and how a run is measured."""
-
-    max_slots: int  # KV-cache capacity in sequences
-    max_len: int = 4096  # context length of a slot
-    prefill_chunk: int = 512  # prompt tokens per step (chunked prefill)
-    queue_limit: int = 0  # arrivals beyond max_concurrency that may wait (0: reject)
-    warmup_s: float = 10.0
-    window_s: float = 60.0
-    step_noise_cv: float = 0.05
-    window_noise_cv: float = 0.03
-    confidence: float = 0.95
-    max_steps: int = 2_000_000  # a guard against a step-time function returning ~0
-
-    def __post_init__(self) -> None:
-        for name in ("max_slots", "max_len", "prefill_chunk", "max_steps"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
-        if not (isinstance(self.queue_limit, int) and self.queue_limit >= 0):
-            raise ValueError(f"queue_limit={self.queue_limit!r}: must be an integer >= 0")
-        if not (math.isfinite(self.warmup_s) and self.warmup_s >= 0):
-            raise ValueError(f"warmup_s={self.warmup_s!r}: must be >= 0 seconds")
-        if not (math.isfinite(self.window_s) and self.window_s > 0):
-            raise ValueError(f"window_s={self.window_s!r}: must be > 0 seconds")
-        for name in ("step_noise_cv", "window_noise_cv"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and 0 <= v < 1):
-                raise ValueError(f"{name}={v!r}: must be in [0, 1)")
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"confidence={self.confidence!r}: must be in (0, 1)")
-
-    def denoised(self) -> SimConfig:
-        """The same engine without measurement noise (the per-run slowdown), for oracles.
-        Per-step jitter stays: it is part of the latency distribution the SLO is about."""
-        return SimConfig(**{**self.__dict__, "window_noise_cv": 0.0})
-
-
-class SimResult:
-    """What one window measured (immutable). ``timings``: the :class:`RequestTiming` of
-    each request finished inside the window, in finish order, built when first read (the
-    tuner reads only the observation; a window finishes hundreds of requests)."""
-
-    __slots__ = ("observation", "steps", "busy_s", "sim_s", "slowdown", "_timings", "_seqs")
-
-    observation: Observation
-    steps: int
-    busy_s: float  # simulated seconds spent in steps
-    sim_s: float  # simulated seconds in all
-    slowdown: float  # the per-run noise factor drawn
-
-    def __init__(
-        self,
-        *,
-        observation: Observation,
-        timings: tuple[RequestTiming, ...] | None = None,
-        steps: int,
-        busy_s: float,
-        sim_s: float,
-        slowdown: float,
-        finished: list[Seq] | None = None,
-    ) -> None:
-        """Give ``timings``, or ``finished``: the finished sequences they are made of."""
-        if (timings is None) == (finished is None):
-            raise ValueError("give timings or finished, not both")
-        for name, v in (
-            ("observation", observation),
-            ("steps", steps),
-            ("busy_s", busy_s),
-            ("sim_s", sim_s),
-            ("slowdown", slowdown),
-            ("_timings", None if timings is None else tuple(timings)),
-            ("_seqs", finished),
-        ):
-            object.__setattr__(self, name, v)
-
-    @property
-    def timings(self) -> tuple[RequestTiming, ...]:
-        t = self._timings
-        if t is None:
-            t = tuple([s.timing() for s in self._seqs])
-            object.__setattr__(self, "_timings", t)
-            object.__setattr__(self, "_seqs", None)
-        return t
-
-    def _key(self) -> tuple:
-        return (self.observation, self.timings, self.steps, self.busy_s, self.sim_s, self.slowdown)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, SimResult):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"SimResult is immutable: cannot set {name!r}")
-
-    def __repr__(self) -> str:
-        return (
-            f"SimResult(observation={self.observation!r}, timings={self.timings!r},"
-            f" steps={self.steps!r}, busy_s={self.busy_s!r}, sim_s={self.sim_s!r},"
-            f" slowdown={self.slowdown!r})"
-        )
 
 
 def _lognormal_sigma(cv: float) -> float:
