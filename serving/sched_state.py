@@ -5,8 +5,10 @@ steps: the FIFO queue, the running set (prefilling, decoding), free KV slots, th
 decoding requests by the step at which they reach ``max_tokens``, and the view of the
 decoding set the plans take (serving/seq_state.py). It takes requests in
 (``validate``, ``add``), out (``abort``, finishing one), changes the batch limit, and
-answers questions about its state. :class:`serving.scheduler.Scheduler` adds the
-step (``schedule``, ``update``) on top of it: the engine and the simulator use that.
+answers questions about its state, among them the simulator's: how many decode-only
+steps come next (``decode_run``), which it may pass over at once (``skip_decode_steps``).
+:class:`serving.scheduler.Scheduler` adds the step (``schedule``, ``update``) on top of
+it: the engine and the simulator use that.
 """
 
 from __future__ import annotations
@@ -210,3 +212,48 @@ class SchedulerState:
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._running or request_id in self._waiting_ids
+
+    # ---- runs of decode-only steps (the simulator's fast path) -------------------
+    def decode_run(self) -> tuple[int, int, int]:
+        """``(steps, batch, kv_tokens)``: the next ``steps`` plans decode the same ``batch``
+        sequences and nothing else, the first reading ``kv_tokens`` cached tokens and each
+        next one ``batch`` more, and no request finishes in their updates, as long as no
+        request is added or aborted meanwhile. ``steps`` is 0 when the next plan prefills
+        or admits, nothing decodes, or tokens were handed to ``update`` (an engine)."""
+        n = len(self._decoding)
+        if (
+            not n
+            or self._prefilling
+            or self._saw_tokens
+            or (self._waiting and self._free and len(self._running) < self._max_batch_size)
+        ):
+            return 0, n, 0
+        decoding = self._decoding
+        steps = self._end_steps
+        while True:  # the first step with a request still decoding: they all have one
+            e = steps[0]
+            bucket = self._ends[e]
+            s = bucket[0]
+            if decoding.get(s.rid) is s:
+                break
+            live = [s for s in bucket if decoding.get(s.rid) is s]  # some were aborted
+            if live:
+                self._ends[e] = live
+                break
+            del self._ends[e]
+            _heappop(steps)
+        k = self._step
+        return e - k, n, self._kv_base + n * k
+
+    def skip_decode_steps(self, steps: int, now_s: float) -> None:
+        """Apply ``steps`` of the steps ``decode_run`` promises at once, without plans;
+        ``now_s`` is when the last of them ended. What they would have returned is
+        nothing: no request finishes in them."""
+        avail = self.decode_run()[0]
+        if not (_is_int(steps) and 1 <= steps <= avail):
+            raise ValueError(
+                f"steps={steps!r}: only 1..{avail} decode-only steps can be skipped now"
+            )
+        self._step += steps
+        if now_s > self._clock:
+            self._clock = now_s

@@ -51,8 +51,8 @@ call ``_plan``) and returns only its totals, and ``update_seqs`` applies it as
 ``update`` does without tokens (both call ``_prefilled`` and ``_retire``) and returns the
 finished requests as their :class:`Seq`, from which ``update`` makes its
 :class:`Finished` records. A request is one :class:`Seq` from ``add`` to its finish (no
-:class:`SeqRequest` is kept). ``decode_run``/``skip_decode_steps`` let it pass over
-runs of decode-only steps without planning them.
+:class:`SeqRequest` is kept). ``decode_run``/``skip_decode_steps`` (serving/sched_state.py)
+let it pass over runs of decode-only steps without planning them.
 
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /
@@ -78,7 +78,6 @@ from serving.step_plan import (
     SchedulerConfig,
     SeqRequest,
     StepPlan,
-    _is_int,
 )
 
 __all__ = [
@@ -378,48 +377,3 @@ class Scheduler(SchedulerState):
             if tok is not None and tok in s.stop_ids:
                 key = (0, s.order) if idx else (1, first_at[rid])
                 done.append((key, self._finish(s, "stop", idx + 1, now_s)))
-
-    # ---- runs of decode-only steps (the simulator's fast path) -------------------
-    def decode_run(self) -> tuple[int, int, int]:
-        """``(steps, batch, kv_tokens)``: the next ``steps`` plans decode the same ``batch``
-        sequences and nothing else, the first reading ``kv_tokens`` cached tokens and each
-        next one ``batch`` more, and no request finishes in their updates, as long as no
-        request is added or aborted meanwhile. ``steps`` is 0 when the next plan prefills
-        or admits, nothing decodes, or tokens were handed to ``update`` (an engine)."""
-        n = len(self._decoding)
-        if (
-            not n
-            or self._prefilling
-            or self._saw_tokens
-            or (self._waiting and self._free and len(self._running) < self._max_batch_size)
-        ):
-            return 0, n, 0
-        decoding = self._decoding
-        steps = self._end_steps
-        while True:  # the first step with a request still decoding: they all have one
-            e = steps[0]
-            bucket = self._ends[e]
-            s = bucket[0]
-            if decoding.get(s.rid) is s:
-                break
-            live = [s for s in bucket if decoding.get(s.rid) is s]  # some were aborted
-            if live:
-                self._ends[e] = live
-                break
-            del self._ends[e]
-            _heappop(steps)
-        k = self._step
-        return e - k, n, self._kv_base + n * k
-
-    def skip_decode_steps(self, steps: int, now_s: float) -> None:
-        """Apply ``steps`` of the steps ``decode_run`` promises at once, without plans;
-        ``now_s`` is when the last of them ended. What they would have returned is
-        nothing: no request finishes in them."""
-        avail = self.decode_run()[0]
-        if not (_is_int(steps) and 1 <= steps <= avail):
-            raise ValueError(
-                f"steps={steps!r}: only 1..{avail} decode-only steps can be skipped now"
-            )
-        self._step += steps
-        if now_s > self._clock:
-            self._clock = now_s
