@@ -42,11 +42,16 @@ from serving.config import ModelConfig
 from serving.fused_linear import (
     FusedHF,
     Linear,
-    bf16_matmul_native,
     can_prepack,
     widens_bf16,
 )
-from serving.layers import ROPE_TABLE_DEFAULT, RMSNorm, apply_rope_, rope_tables
+from serving.layers import (
+    ROPE_TABLE_DEFAULT,
+    RMSNorm,
+    apply_rope_,
+    grouped_attention,
+    rope_tables,
+)
 from serving.step_context import StepContext
 
 logger = logging.getLogger(__name__)
@@ -116,23 +121,7 @@ class Attention(FusedHF):
         # T positions stack into one [g*T, D] matrix per KV head. Plain bmm beats
         # CPU SDPA here for single-token queries (measured, torch 2.13).
         qg = q.transpose(1, 2).reshape(b * hkv, g * t, d)  # [B*Hkv, g*T, D]
-        # Scale and mask fused into the GEMM: the 0/-inf mask in the model dtype is
-        # the GEMM's addend and 1/sqrt(D) its alpha (a power of two for D = 64: the
-        # same bits as scaling after it). Softmax of a bf16 input computes in fp32
-        # and rounds once, as float-softmax-cast did: 2 ops where there were 6.
-        # Without bf16 matmul hardware (see Linear.w32) both GEMMs run in fp32 on widened
-        # inputs, each result rounded to bf16 as a bf16 GEMM rounds it.
-        wide = qg.dtype == torch.bfloat16 and qg.device.type == "cpu" and not bf16_matmul_native()
-        if wide:
-            kt = keys.transpose(1, 2).float()
-            scores = torch.baddbmm(ctx.mask.float(), qg.float(), kt, alpha=d**-0.5).to(qg.dtype)
-        else:
-            scores = torch.baddbmm(ctx.mask, qg, keys.transpose(1, 2), alpha=d**-0.5)
-        probs = torch.softmax(scores, dim=-1)  # [B*Hkv, g*T, Lk]
-        if wide:
-            out = torch.bmm(probs.float(), values.float()).to(qg.dtype)  # [B*Hkv, g*T, D]
-        else:
-            out = torch.bmm(probs, values)  # [B*Hkv, g*T, D]
+        out = grouped_attention(qg, keys, values, ctx.mask, d**-0.5)  # [B*Hkv, g*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
         return out
 

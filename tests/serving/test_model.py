@@ -191,9 +191,9 @@ def test_without_bf16_hardware_linears_and_attention_multiply_in_fp32(monkeypatc
     """Where the CPU has no bf16 matmul hardware (torch's bf16 GEMMs are a slow fallback),
     prepack gives each linear an fp32 copy and the GEMMs run in fp32, rounded to bf16."""
     import serving.fused_linear as fl
-    import serving.model as sm
+    import serving.layers as sl
 
-    for mod in (fl, sm):
+    for mod in (fl, sl):
         monkeypatch.setattr(mod, "bf16_matmul_native", lambda: False)
     m = Transformer.random(ModelConfig.from_name("tiny"), seed=2)  # bf16
     m.allocate_cache(2, 16)
