@@ -83,8 +83,8 @@ def timing_model(dev: torch.device, dtype: str, model: ModelSpec, context: int) 
         dtype=SERVING_DTYPES[dtype],
     )
     t = Transformer.for_timing(cfg, device=dev)
+    t.use_cpu_kernels()  # first, as the engine does (serving/engine.py)
     t.prepack()
-    t.use_cpu_kernels()
     return t
 
 

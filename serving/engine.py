@@ -140,8 +140,9 @@ class Engine:
             raise ValueError("Engine needs model_config or checkpoint")
         self.config = self.model.config
         self.device = torch.device(device)
-        self.prepacked = self.model.prepack(prepack)
+        # Kernels first: where their small GEMM serves a linear, prepack makes no fp32 copy.
         self.cpu_kernels = self.model.use_cpu_kernels(cpu_kernels)
+        self.prepacked = self.model.prepack(prepack)
         max_len = max_len or min(self.config.max_position, DEFAULT_MAX_LEN)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -251,8 +251,8 @@ class Transformer(nn.Module):
 
     def prepack(self, enable: bool = True) -> bool:
         """Use oneDNN-prepacked weights for every linear (CPU bf16 only; see ``Linear``).
-        On a CPU without native bf16 matmuls (``widens_bf16``) each linear keeps an fp32
-        copy of its weight for its GEMMs instead (and attention multiplies in fp32 there).
+        On a CPU without native bf16 matmuls (``widens_bf16``) each linear the AVX2 small
+        GEMM does not serve keeps an fp32 copy of its weight for its GEMMs instead.
 
         Returns whether oneDNN packing is on. Call after the model is on its device;
         ``prepack(False)`` drops the packed and fp32 copies.
@@ -265,7 +265,7 @@ class Transformer(nn.Module):
                 m.packed = (
                     torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1) if on else None
                 )
-                m.w32 = m.weight.detach().float() if widen else None
+                m.w32 = m.weight.detach().float() if widen and m.cols16 is None else None
         return on
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), .cuda(), ...

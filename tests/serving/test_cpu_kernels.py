@@ -336,3 +336,21 @@ def test_moving_the_model_drops_the_kernels() -> None:
     m.allocate_cache(1, 8)
     with torch.inference_mode():
         assert torch.isfinite(m(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([0]))).all()
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.has_gemm, reason="the small GEMM is built on AVX2 only"
+)
+def test_linears_the_small_gemm_serves_get_no_fp32_copy(monkeypatch) -> None:
+    """The engine turns the kernels on before prepacking: a linear the AVX2 GEMM serves
+    never gets prepack's fp32 copy (4 bytes a parameter), whichever order is used."""
+    import serving.fused_linear as fl
+
+    monkeypatch.setattr(fl, "bf16_matmul_native", lambda: False)
+    m = model_of("tiny")
+    assert m.use_cpu_kernels()
+    m.prepack()
+    lins = [x for x in m.modules() if isinstance(x, Linear)]
+    assert all(x.cols16 is not None and x.w32 is None for x in lins)
+    m.use_cpu_kernels(False)  # back to torch: the fp32 copies return
+    assert all(x.cols16 is None and x.w32 is not None for x in lins)
