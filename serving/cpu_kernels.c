@@ -312,13 +312,21 @@ static inline void gemv_store8(const __m256 *a, int n, bf16 *o, const bf16 *res)
 }
 
 /* gemv_for as on the AVX-512 path (same layout, arguments and worksharing), in fp32 FMAs
-   on bf16 widened without a shuffle: a 256-bit load holds 16 bf16 as 8 pairs, and the
-   pair's high element is the 32-bit lane with its low half cleared, its low element the
-   lane shifted left by 16. Each lane sums its pairs' two products (the even, then the
-   odd column) across the row. AVX2 has 16 vector registers: two rows of x go through
-   half a block (4 weight rows) at a time, a lone row through the whole block; each
-   (row of x, weight row) sum takes its terms in the same order either way, so a row's
-   result does not depend on the batch it is in. */
+   on bf16 widened by interleaving with zeros: unpacking a 256-bit load of 16 bf16 with
+   a zero vector puts each value in the high half of a 32-bit lane, i.e. makes it an
+   fp32. The low unpack takes columns 0-3 and 8-11 of the 16, the high one 4-7 and
+   12-15; x goes through the same unpacks, so lane by lane the products pair up. Each
+   lane sums its two products (low, then high) across the row. A shuffle per half
+   measured 5-9 % faster than the shift/mask pair (EVEN16/ODD16 below, which the GEMM
+   keeps) on this AVX2 Zen 4 in cache (2026-12-03), where the FMA pipes also shift.
+   AVX2 has 16 vector registers: two rows of x go through half a block (4 weight rows)
+   at a time, a lone row through the whole block; each (row of x, weight row) sum takes
+   its terms in the same order either way, so a row's result does not depend on the
+   batch it is in. */
+#define LO16(v) _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), (v)))
+#define HI16(v) _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), (v)))
+/* The GEMM's widening: a lane's high bf16 with its low half cleared, its low one
+   shifted up. */
 #define EVEN16(v) _mm256_castsi256_ps(_mm256_slli_epi32((v), 16))
 #define ODD16(v) _mm256_castsi256_ps(_mm256_and_si256((v), _mm256_set1_epi32((int)0xffff0000u)))
 static inline __m256i load256(const bf16 *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -338,11 +346,11 @@ static void gemv_for(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, i
                     const bf16 *c = blk + i * 8 + 32 * h;
                     for (int k = 0; k < 32; k += 16) {
                         const __m256i v0 = load256(x0 + i + k), v1 = load256(x1 + i + k);
-                        const __m256 x0e = EVEN16(v0), x0o = ODD16(v0);
-                        const __m256 x1e = EVEN16(v1), x1o = ODD16(v1);
+                        const __m256 x0e = LO16(v0), x0o = HI16(v0);
+                        const __m256 x1e = LO16(v1), x1o = HI16(v1);
                         for (int r = 0; r < 4; r++) {
                             const __m256i w = load256(c + 32 * r + k);
-                            const __m256 we = EVEN16(w), wo = ODD16(w);
+                            const __m256 we = LO16(w), wo = HI16(w);
                             a[r] = _mm256_fmadd_ps(wo, x0o, _mm256_fmadd_ps(we, x0e, a[r]));
                             b[r] = _mm256_fmadd_ps(wo, x1o, _mm256_fmadd_ps(we, x1e, b[r]));
                         }
@@ -361,10 +369,10 @@ static void gemv_for(const bf16 *x, const bf16 *p, const bf16 *res, bf16 *out, i
                 const bf16 *c = blk + i * 8;
                 for (int k = 0; k < 32; k += 16) {
                     const __m256i v = load256(xm + i + k);
-                    const __m256 xe = EVEN16(v), xo = ODD16(v);
+                    const __m256 xe = LO16(v), xo = HI16(v);
                     for (int r = 0; r < 8; r++) {
                         const __m256i w = load256(c + 32 * r + k);
-                        a[r] = _mm256_fmadd_ps(ODD16(w), xo, _mm256_fmadd_ps(EVEN16(w), xe, a[r]));
+                        a[r] = _mm256_fmadd_ps(HI16(w), xo, _mm256_fmadd_ps(LO16(w), xe, a[r]));
                     }
                 }
             }
