@@ -616,9 +616,55 @@ static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o) {
 #endif
 
 #ifdef GEMV_PATH
+/* Scratch of the whole-layer calls: normed rows [M, d], qkv [M, nq], attention [M, na],
+   gate|up [M, 2I], act [M, I]. */
+typedef struct {
+    bf16 *h, *qkv, *att, *gu, *act;
+} layer_scratch;
+
+static bf16 *scratch_alloc(layer_scratch *s, int64_t M, int64_t d, int64_t nq, int64_t na,
+                           int64_t I) {
+    bf16 *h = (bf16 *)malloc(sizeof(bf16) * (size_t)(M * (d + nq + na + 3 * I)));
+    if (h != NULL) {
+        s->h = h;
+        s->qkv = h + M * d;
+        s->att = s->qkv + M * nq;
+        s->gu = s->att + M * na;
+        s->act = s->gu + M * 2 * I;
+    }
+    return h;
+}
+
+/* One decoder layer run by every thread of a team (worksharing loops; their barriers
+   order the steps): x_out = h + down(silu(gate) * up) of norm2(h), h = x + o(attention
+   of qkv(norm1(x))). sc: the thread's attention scratch. */
+static void layer_team(const bf16 *x_in, bf16 *x_out, const bf16 *norm1, const bf16 *norm2,
+                       float eps1, float eps2, const bf16 *qkv_p, const bf16 *o_p,
+                       const bf16 *gate_up_p, const bf16 *down_p, bf16 *cache,
+                       const bf16 *cos_t, const bf16 *sin_t, const int64_t *positions,
+                       const int64_t *slots, int64_t M, int64_t d, int64_t I, int64_t H,
+                       int64_t Hkv, int64_t D, int64_t S, int64_t L, float scale,
+                       const layer_scratch *w, float *sc) {
+    const int64_t nq = (H + 2 * Hkv) * D, na = H * D;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) rms_row(x_in + m * d, norm1, w->h + m * d, d, eps1);
+    gemv_for(w->h, qkv_p, NULL, w->qkv, M, nq, d);
+    attention_for(w->qkv, cache, cos_t, sin_t, positions, slots, w->att, M, H, Hkv, D, S, L,
+                  scale, sc);
+    gemv_for(w->att, o_p, x_in, x_out, M, d, na);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) rms_row(x_out + m * d, norm2, w->h + m * d, d, eps2);
+    gemv_for(w->h, gate_up_p, NULL, w->gu, M, 2 * I, d);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < M * I; c += 16) { /* I % 16 == 0: no chunk spans rows */
+        const int64_t m = c / I, i = c % I;
+        silu_mul16(w->gu + m * 2 * I + i, w->gu + m * 2 * I + I + i, w->act + m * I + i);
+    }
+    gemv_for(w->act, down_p, x_out, x_out, M, d, I);
+}
+
 /* One decoder layer of a decode step for a few rows (the GEMV's batch sizes), in one
-   parallel region: x_out = h + down(silu(gate) * up) of norm2(h), h = x + o(attention
-   of qkv(norm1(x))). The same steps, roundings and kernels as the layer run op by op
+   parallel region: the same steps, roundings and kernels as the layer run op by op
    (Block.forward with the kernels), without returning to Python between them. Weights
    from slotune_pack_rows8_bf16; d, H*D and I multiples of 32, (H + 2*Hkv)*D, d and 2*I
    of 8. x_in and x_out [M, d] may not overlap. Returns as slotune_decode_attention_bf16. */
@@ -630,36 +676,69 @@ int slotune_decode_layer_bf16(const bf16 *x_in, bf16 *x_out, const bf16 *norm1,
                               int64_t d, int64_t I, int64_t H, int64_t Hkv, int64_t D, int64_t S,
                               int64_t L, int64_t P, float scale, int nthreads) {
     if (check_rows(positions, slots, M, S, L, P)) return -2;
-    const int64_t nq = (H + 2 * Hkv) * D, na = H * D;
-    /* scratch: normed rows [M, d], qkv [M, nq], attention [M, na], gate|up [M, 2I], act [M, I] */
-    bf16 *h = (bf16 *)malloc(sizeof(bf16) * (size_t)(M * (d + nq + na + 3 * I)));
-    if (h == NULL) return -1;
-    bf16 *qkv = h + M * d, *att = qkv + M * nq, *gu = att + M * na, *act = gu + M * 2 * I;
+    layer_scratch w;
+    bf16 *buf = scratch_alloc(&w, M, d, (H + 2 * Hkv) * D, H * D, I);
+    if (buf == NULL) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *sc = thread_scratch(H / Hkv, L, &failed);
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) rms_row(x_in + m * d, norm1, h + m * d, d, eps1);
-        /* the loop's barrier also publishes `failed` */
+#pragma omp barrier
+        if (!failed)
+            layer_team(x_in, x_out, norm1, norm2, eps1, eps2, qkv_p, o_p, gate_up_p, down_p,
+                       cache, cos_t, sin_t, positions, slots, M, d, I, H, Hkv, D, S, L, scale,
+                       &w, sc);
+        free(sc);
+    }
+    free(buf);
+    return failed ? -1 : 0;
+}
+
+/* A whole decode step past the embedding for a few rows, in one parallel region: every
+   layer as slotune_decode_layer_bf16 runs it, then the final norm and the lm_head GEMV
+   (bf16 logits [M, V], rounded as the lm_head's GEMV rounds them). ``layers``: per layer
+   seven addresses, norm1, norm2, qkv, o, gate|up and down (rows8 copies) and its KV
+   cache; every norm takes ``eps``. x_in [M, d] is not written. Returns as
+   slotune_decode_attention_bf16. */
+int slotune_decode_step_bf16(const bf16 *x_in, bf16 *logits, const int64_t *layers,
+                             int64_t n_layers, const bf16 *norm_f, const bf16 *head_p,
+                             int64_t V, float eps, const bf16 *cos_t, const bf16 *sin_t,
+                             const int64_t *positions, const int64_t *slots, int64_t M,
+                             int64_t d, int64_t I, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                             int64_t L, int64_t P, float scale, int nthreads) {
+    if (check_rows(positions, slots, M, S, L, P)) return -2;
+    layer_scratch w;
+    bf16 *buf = scratch_alloc(&w, M, d, (H + 2 * Hkv) * D, H * D, I);
+    bf16 *xs = (bf16 *)malloc(sizeof(bf16) * (size_t)(2 * M * d)); /* ping-pong rows */
+    if (buf == NULL || xs == NULL) {
+        free(buf);
+        free(xs);
+        return -1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *sc = thread_scratch(H / Hkv, L, &failed);
+#pragma omp barrier
         if (!failed) {
-            gemv_for(h, qkv_p, NULL, qkv, M, nq, d);
-            attention_for(qkv, cache, cos_t, sin_t, positions, slots, att, M, H, Hkv, D, S, L,
-                          scale, sc);
-            gemv_for(att, o_p, x_in, x_out, M, d, na);
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) rms_row(x_out + m * d, norm2, h + m * d, d, eps2);
-            gemv_for(h, gate_up_p, NULL, gu, M, 2 * I, d);
-#pragma omp for schedule(static)
-            for (int64_t c = 0; c < M * I; c += 16) { /* I % 16 == 0: no chunk spans rows */
-                const int64_t m = c / I, i = c % I;
-                silu_mul16(gu + m * 2 * I + i, gu + m * 2 * I + I + i, act + m * I + i);
+            const bf16 *x = x_in;
+            for (int64_t l = 0; l < n_layers; l++) {
+                const int64_t *a = layers + 7 * l;
+                bf16 *y = xs + (l % 2) * M * d;
+                layer_team(x, y, (const bf16 *)a[0], (const bf16 *)a[1], eps, eps,
+                           (const bf16 *)a[2], (const bf16 *)a[3], (const bf16 *)a[4],
+                           (const bf16 *)a[5], (bf16 *)a[6], cos_t, sin_t, positions, slots,
+                           M, d, I, H, Hkv, D, S, L, scale, &w, sc);
+                x = y; /* the down GEMV's loop barrier: every row of y is written */
             }
-            gemv_for(act, down_p, x_out, x_out, M, d, I);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) rms_row(x + m * d, norm_f, w.h + m * d, d, eps);
+            gemv_for(w.h, head_p, NULL, logits, M, V, d);
         }
         free(sc);
     }
-    free(h);
+    free(buf);
+    free(xs);
     return failed ? -1 : 0;
 }
 #endif

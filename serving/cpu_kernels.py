@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from serving import cpu_step
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -94,6 +96,8 @@ class Kernels:
             # positions, slots; M, d, I, H, Hkv, D, S, L, P; scale, threads
             self._layer.argtypes = [_P] * 4 + [_F] * 2 + [_P] * 9 + [_I] * 9 + [_F, _C]
             self._layer.restype = ctypes.c_int
+        # The whole decode step in one call (serving/cpu_step.py), on the same paths.
+        self.step_fn = cpu_step.bind(lib) if self.gemv_isa is not None else None
         # Rows up to which a linear runs the GEMV (and a decode layer the whole-layer call):
         # on AVX2 two rows already run faster through the small GEMM below.
         self.gemv_rows = GEMV_ROWS.get(built, 0)

@@ -3,22 +3,19 @@
 RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention; both in
 serving/layers.py), grouped-query attention, SwiGLU. Sampling: serving/sampling.py.
 
-Fused linears: q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj``
-(their weights stacked by rows), so a decode step runs 4 linears per layer
-instead of 7: fewer, bigger GEMVs stream weights closer to the memory
-bandwidth (measured: ~35 GB/s cycling many small prepacked matrices, ~49 GB/s
-for big ones). ``state_dict`` still speaks the Hugging Face Llama layout
-(``model.layers.0.self_attn.q_proj.weight`` ...): state-dict hooks split the
-fused weights on save and stack the Hugging Face ones on load, so a local
-safetensors checkpoint loads with ``load_state_dict`` (serving/checkpoint.py).
+Fused linears: q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj`` (weights
+stacked by rows): 4 linears a layer, not 7; fewer, bigger GEMVs stream closer to the
+memory bandwidth (~35 GB/s cycling many small prepacked matrices, ~49 GB/s big ones).
+``state_dict`` still speaks the Hugging Face Llama layout: state-dict hooks split the
+fused weights on save and stack the Hugging Face ones on load, so a local safetensors
+checkpoint loads with ``load_state_dict`` (serving/checkpoint.py).
 
 The KV cache is one buffer per layer, ``[2, max_slots, n_kv_heads, max_len,
 head_dim]`` (K at index 0, V at 1), allocated once by
 :meth:`Transformer.allocate_cache` and written in place with a single
 ``index_put_`` per layer (K and V together, rows computed once per step).
-FIELD-NOTES: writing into slices of one big cache tensor makes inductor copy
-the cache per layer; a per-layer buffer with ``index_put_`` does not. Each
-running request owns one slot (a row of every buffer).
+A per-layer buffer, not slices of one (inductor copied those per layer: FIELD-NOTES).
+Each running request owns one slot (a row of every buffer).
 
 One ``forward`` serves both phases: a decode step (``T == 1``, ``B`` requests
 at their own positions) and a prefill chunk (``B == 1``, ``T`` prompt tokens
@@ -26,7 +23,9 @@ from ``positions[0, 0]`` on). Keys are read from the cache: a view when the
 slots are one ascending run (no copy), one ``index_select`` gather (K and V
 together) otherwise; an additive mask, built once per step, hides positions
 beyond each query's own. Whole ``max_len`` rows are read (see
-``StepContext.read``), so size ``max_len`` to the contexts served.
+``StepContext.read``), so size ``max_len`` to the contexts served. On CPU bf16 the C
+kernels run decode steps (serving/cpu_kernels.py; a whole step in one call where they
+can: serving/cpu_step.py).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving import cpu_kernels
+from serving import cpu_kernels, cpu_step
 from serving.config import ModelConfig
 from serving.fused_linear import (
     FusedHF,
@@ -153,8 +152,7 @@ class Block(nn.Module):
 
     def _gemv_copies(self) -> bool:
         a, m = self.self_attn, self.mlp
-        lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-        return all(lin.rows8 is not None for lin in lins)
+        return all(x.rows8 is not None for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:  # x: [B, T, d]
         if (
@@ -362,6 +360,8 @@ class Transformer(nn.Module):
         attention over ``tokens`` (positions must be 0..T-1), no cache.
         """
         x, ctx = self.prologue(tokens, positions, slots, slot_start=slot_start)
+        if last_only and (logits := cpu_step.decode_step(self, x, ctx)) is not None:
+            return logits  # the whole step in one C call, the same bits
         for layer in self.model.layers:
             x = layer.forward(x, ctx)
         return self.logits(x, last_only=last_only)

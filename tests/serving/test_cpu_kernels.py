@@ -108,6 +108,7 @@ def test_whole_layer_call_gives_the_bits_of_the_layer_op_by_op(
     calls = []
     real = KERNELS.decode_layer
     monkeypatch.setattr(KERNELS, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(m.kernels, "step_fn", None)  # layer by layer (whole: test_cpu_step)
     gen = torch.Generator().manual_seed(rows)
     m.allocate_cache(6, 64)
     for c in m.caches():

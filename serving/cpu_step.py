@@ -1,0 +1,96 @@
+"""A whole decode step in one C call, where every layer would run the whole-layer kernel.
+
+At the GEMV's batch sizes (``Kernels.gemv_rows`` rows) a decode step on CPU bf16 runs
+each decoder layer in one C call (``Kernels.decode_layer``), then the final norm and
+the lm_head GEMV. Between those 14 calls Python builds each call's ~26 arguments and a
+new thread team starts: ~0.3 ms of a 5-6 ms `small` step on 2 cores, with the Python
+interpreter's own data cold after each layer streamed its weights. Here the same
+kernels run in one call and one thread team (``slotune_decode_step_bf16`` in
+serving/cpu_kernels.c): the same steps, roundings and results, bit for bit
+(tests/serving/test_cpu_step.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# x_in, logits, layers, n_layers, norm_f, head, V, eps, cos, sin, positions, slots;
+# M, d, I, H, Hkv, D, S, L, P; scale, threads
+ARGTYPES = [_P, _P, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P] + [_I] * 9 + [_F, _C]
+
+
+def bind(lib: ctypes.CDLL) -> Any:
+    """The library's whole-step function with its argument types."""
+    fn = lib.slotune_decode_step_bf16
+    fn.argtypes = ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def decode_step(model: Any, x: torch.Tensor, ctx: Any) -> torch.Tensor | None:
+    """fp32 logits [B, V] of a decode step of ``model`` (serving.model.Transformer) from
+    its embedded rows ``x`` [B, 1, d] and step context ``ctx`` (both from
+    ``Transformer.prologue``), the way its forward computes them; None where the step
+    is not one the whole-step kernel runs (then the forward runs layer by layer)."""
+    k = ctx.kernels
+    if (
+        k is None
+        or k.step_fn is None
+        or x.shape[0] > k.gemv_rows
+        or x.dtype != torch.bfloat16
+        or not x.is_contiguous()
+    ):
+        return None
+    head = model.lm_head.rows8
+    norm_f = model.model.norm
+    if head is None:
+        return None
+    eps = norm_f.eps
+    ptrs: list[int] = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        copies = (a.qkv_proj.rows8, a.o_proj.rows8, m.gate_up_proj.rows8, m.down_proj.rows8)
+        if not layer.fused or n1.eps != eps or n2.eps != eps or any(c is None for c in copies):
+            return None
+        ptrs += (n1.weight.data_ptr(), n2.weight.data_ptr())
+        ptrs += (c.data_ptr() for c in copies)
+        ptrs.append(a.kv_cache.data_ptr())
+    first = model.model.layers[0]
+    cache, cos = first.self_attn.kv_cache, ctx.cos_table
+    b, _, d = x.shape
+    _, s, hkv, length, hd = cache.shape
+    vocab = model.lm_head.out_features
+    logits = torch.empty(b, vocab, dtype=x.dtype)
+    table = (ctypes.c_int64 * len(ptrs))(*ptrs)
+    rc = k.step_fn(
+        x.data_ptr(),
+        logits.data_ptr(),
+        table,
+        len(model.model.layers),
+        norm_f.weight.data_ptr(),
+        head.data_ptr(),
+        vocab,
+        eps,
+        cos.data_ptr(),
+        ctx.sin_table.data_ptr(),
+        ctx.positions.data_ptr(),
+        ctx.slots.data_ptr(),
+        b,
+        d,
+        first.mlp.down_proj.in_features,
+        first.self_attn.n_heads,
+        hkv,
+        hd,
+        s,
+        length,
+        cos.shape[0],
+        hd**-0.5,
+        torch.get_num_threads(),
+    )
+    k._check(rc, length, cos.shape[0], s, ctx.positions, ctx.slots)
+    return logits.float()
