@@ -65,11 +65,13 @@ def test_whole_step_gives_the_bits_of_the_layers_called_one_by_one(
     head_dim: int, rows: int, monkeypatch
 ) -> None:
     m = model_of(head_dim)
-    ((lw, cw), (ll, cl)), calls = run_both(m, rows, monkeypatch)
-    assert calls == (1 if rows <= m.kernels.gemv_rows else 0)
-    assert lw.dtype == torch.float32 and lw.shape == (rows, m.config.vocab_size)
-    assert torch.equal(lw, ll)
-    assert all(torch.equal(a, b) for a, b in zip(cw, cl, strict=True))
+    for _ in range(2):  # the second time on new caches (allocate_cache) and new GEMV copies
+        ((lw, cw), (ll, cl)), calls = run_both(m, rows, monkeypatch)
+        assert calls == (1 if rows <= m.kernels.gemv_rows else 0)
+        assert lw.dtype == torch.float32 and lw.shape == (rows, m.config.vocab_size)
+        assert torch.equal(lw, ll)
+        assert all(torch.equal(a, b) for a, b in zip(cw, cl, strict=True))
+        assert m.use_cpu_kernels()
 
 
 def test_a_step_the_kernel_cannot_run_goes_layer_by_layer(monkeypatch) -> None:
