@@ -177,25 +177,44 @@ class DecodeRunStepTime:
         # Calls between two checks, less one (0: check every call; -1: never).
         mask = -1 if check is None else _CHECK_EVERY - 1
 
+        # The prefill's share of a step, per (prefill tokens, chunks): Roofline._shape's
+        # prefill rows p and the integer FLOPs that vary with neither b nor kv. The mirror's
+        # FLOPs are integers (see _scalar_constants), so regrouping them is exact:
+        # 2 (mm_rest rows + head head_rows) + attn4 pairs
+        #   = per_b b + attn4 kv + 2 mm_rest p + 2 head seqs + attn4 p (p + 1) // 2.
+        per_b = 2 * (mm_rest + head)
+        prefill: dict[int, tuple[int, int]] = {}
+
+        def prefill_part(ptok: int, nchunks: int) -> tuple[int, int]:
+            p = round(ptok * interf)
+            # Roofline._shape: prefill_sequences = nchunks or None.
+            seqs = nchunks if nchunks else (1 if p else 0)
+            return p, 2 * mm_rest * p + 2 * head * seqs + attn4 * (p * (p + 1) // 2)
+
         def mirror(b: int, kv: int, ptok: int, nchunks: int) -> float:
             nonlocal calls
             if mask >= 0:
                 calls += 1
                 if not calls & mask:
                     return check(b, kv, ptok, nchunks)  # type: ignore[misc]
-            p = round(ptok * interf)
-            # Roofline._shape: prefill_sequences = nchunks or None.
-            seqs = nchunks if nchunks else (1 if p else 0)
+            key = ptok << 32 | nchunks  # a step has far fewer than 2**32 chunks
+            pp = prefill.get(key)
+            if pp is None:
+                pp = prefill[key] = prefill_part(ptok, nchunks)
+            p, flops_p = pp
             rows = b + p
             if rows == 0:
                 roof = 0.0
             else:
-                head_rows = b + seqs
-                pairs = kv + p * (p + 1) // 2
-                comm = 0.0 if tp == 1 or rows <= 0 else ar_l * (lat + c_ar * (rows * hb) / bw_link)
                 mem_s = (wb + (kv + p) * kvb) / bw_mem
-                comp_s = ((2 * (mm_rest * rows + head * head_rows)) + attn4 * pairs) / tp / peak
-                roof = max(mem_s, comp_s) + comm
+                flops = per_b * b + attn4 * kv + flops_p  # the integer, regrouped (above)
+                if tp == 1:  # no all-reduce; an integer over 1 is that integer as a float
+                    comp_s = flops / peak
+                    roof = comp_s if comp_s > mem_s else mem_s  # max(mem_s, comp_s) + 0.0
+                else:
+                    comm = ar_l * (lat + c_ar * (rows * hb) / bw_link)  # rows > 0 here
+                    comp_s = flops / tp / peak
+                    roof = (comp_s if comp_s > mem_s else mem_s) + comm
             f = factors.get(b)
             if f is None:
                 f = factors[b] = factor(max(1, b))

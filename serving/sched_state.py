@@ -53,6 +53,9 @@ class SchedulerState:
         # Entries of requests aborted or stopped since stay until their step (see _pop_due).
         self._ends: dict[int, list[Seq]] = {}
         self._end_steps: list[int] = []
+        # A decoding request left the set other than by reaching max_tokens (abort, stop
+        # id): _ends may hold entries no longer decoding, which update_seqs then skips.
+        self._stale = False
         self._step = 0  # updates applied: the index of the next plan
         # (step index, its chunks) of the step planned last, for update_seqs.
         self._pending: tuple[int, list[tuple[Seq, int, int]]] | None = None
@@ -125,10 +128,12 @@ class SchedulerState:
         if seq is not None:
             if seq.dec_start >= 0:
                 del self._decoding[request_id]
+                self._stale = True
                 self._drems.append(seq)
                 self._kv_base -= seq.plen + 1 - seq.dec_start
             else:
                 self._prefilling.pop(request_id, None)
+                seq.computed = -1  # a chunk of it planned before is not applied (_prefilled)
             _heappush(self._free, seq.slot)
             return True
         if request_id in self._waiting_ids:
@@ -153,6 +158,7 @@ class SchedulerState:
         del self._running[rid]
         if s.dec_start >= 0:
             del self._decoding[rid]
+            self._stale = True  # its entry in _ends stays (see _pop_due)
             self._drems.append(s)
             self._kv_base -= s.plen + 1 - s.dec_start
         else:

@@ -46,13 +46,15 @@ per token handed to ``update`` (the engine hands one per sequence; the simulator
 none), so the simulator runs a batch of hundreds at the cost of a handful.
 
 The simulator's step is the same planning and bookkeeping without the plan object and
-the per-request records: ``schedule_totals`` plans the step as ``schedule`` does (both
-call ``_plan``) and returns only its totals, and ``update_seqs`` applies it as
-``update`` does without tokens (both call ``_prefilled`` and ``_retire``) and returns the
-finished requests as their :class:`Seq`, from which ``update`` makes its
-:class:`Finished` records. A request is one :class:`Seq` from ``add`` to its finish (no
-:class:`SeqRequest` is kept). ``decode_run``/``skip_decode_steps`` (serving/sched_state.py)
-let it pass over runs of decode-only steps without planning them.
+the per-request records: ``schedule_totals`` is the planning (``schedule`` calls it and
+wraps its chunks and totals in a plan) and returns only the totals, and ``update_seqs``
+is ``update`` without tokens (``update`` calls it when given none, then makes its
+:class:`Finished` records from the finished requests' :class:`Seq`, which is what
+``update_seqs`` returns; with tokens, ``update`` shares its ``_prefilled``). Each is one
+call per step, with the per-request book-keeping inlined. A request is one :class:`Seq`
+from ``add`` to its finish (no :class:`SeqRequest` is kept). ``decode_run`` and
+``skip_decode_steps`` (serving/sched_state.py) let it pass over runs of decode-only steps
+without planning them.
 
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /
@@ -108,84 +110,82 @@ class Scheduler(SchedulerState):
 
         O(1) in the decode batch: its size and KV tokens are running sums, and the
         entries are materialised only when ``plan.decode``/``plan.prefill`` is read."""
-        chunks, used = self._plan(now_s)
-        k = self._step
+        n, kv, used, count = self.schedule_totals(now_s)
+        k, chunks = self._pending  # type: ignore[misc]
         adds = self._dadds
         rems = self._drems
-        if len(adds) + len(rems) > len(self._dbase) + 16:  # amortised O(1) per change
-            self._rebase()
-            adds = self._dadds
-            rems = self._drems
         dview = (self._dbase, adds, len(adds), rems, len(rems))
-        n = len(self._decoding)
-        return _lean_plan(
-            (n, self._kv_base + n * k, used, len(chunks), k, build_entries, (dview, chunks))
-        )
+        return _lean_plan((n, kv, used, count, k, build_entries, (dview, chunks)))
 
-    def schedule_totals(self, now_s: float) -> tuple[int, int, int, int]:
-        """``schedule(now_s).totals()`` without the plan: ``(decode_batch, kv_tokens,
-        prefill_tokens, prefill_count)`` of the next step, planned (admissions, chunks)
-        exactly as ``schedule`` plans it. Follow it with ``update_seqs`` (the simulator's
-        step: it reads nothing else of a plan)."""
-        chunks, used = self._plan(now_s)
+    def schedule_totals(self, now_s: float | None = None) -> tuple[int, int, int, int]:
+        """Plan the next step, ``schedule``'s planning (admissions, chunks; ``schedule``
+        calls it), and return its totals without the plan: ``(decode_batch, kv_tokens,
+        prefill_tokens, prefill_count)``, what ``schedule(now_s).totals()`` gives. The
+        chunks are kept for ``update_seqs`` (the simulator's step: ``schedule_totals`` +
+        ``update_seqs`` read nothing else of a plan)."""
+        if now_s is not None and now_s > self._clock:
+            self._clock = now_s
+        budget = self._chunk_budget
+        chunks: list[Chunk] = []
+        prefilling = self._prefilling
+        if prefilling:
+            for s in prefilling.values():  # admission order: the oldest prompt first
+                start = s.computed
+                length = s.plen - start
+                if length > budget:
+                    length = budget
+                chunks.append((s, start, length))
+                budget -= length
+                if budget == 0:
+                    break
+        waiting = self._waiting
+        free = self._free
+        if budget and waiting and free:
+            running = self._running
+            # Admit while there is budget, a waiting request, a free slot and room in the
+            # running set: each admission takes one of the last three.
+            room = self._max_batch_size - len(running)
+            if len(free) < room:
+                room = len(free)
+            if len(waiting) < room:
+                room = len(waiting)
+            if room > 0:
+                clock = self._clock
+                waiting_ids = self._waiting_ids
+                order = self._admitted
+                append = chunks.append
+                while True:
+                    s = waiting.popleft()
+                    rid = s.rid
+                    waiting_ids.discard(rid)
+                    at = s.arrival_s
+                    s.slot = _heappop(free)
+                    s.admitted_s = clock if clock > at else at
+                    s.order = order
+                    order += 1
+                    running[rid] = s
+                    prefilling[rid] = s
+                    length = s.plen
+                    if length > budget:
+                        length = budget
+                    append((s, 0, length))
+                    budget -= length
+                    room -= 1
+                    if not (budget and room):
+                        break
+                self._admitted = order
+        k = self._step
+        self._pending = (k, chunks)
         if len(self._dadds) + len(self._drems) > len(self._dbase) + 16:
-            self._rebase()  # as schedule does: the lists stay shorter than the set
+            self._rebase()  # amortised O(1) per change: the lists stay shorter than the set
         n = len(self._decoding)
-        return n, self._kv_base + n * self._step, used, len(chunks)
+        return n, self._kv_base + n * k, self._chunk_budget - budget, len(chunks)
 
     def _rebase(self) -> None:
         """A new tuple of the decoding set for plans' views; empty change lists."""
         self._dbase = tuple(self._decoding.values())
         self._dadds = []
         self._drems = []
-
-    def _plan(self, now_s: float | None) -> tuple[list[Chunk], int]:
-        """Plan the next step (both ``schedule`` and ``schedule_totals``): admit waiting
-        requests and cut the prefill chunks. Returns the chunks and the prompt tokens they
-        prefill; keeps the chunks for ``update_seqs``."""
-        if now_s is not None and now_s > self._clock:
-            self._clock = now_s
-        budget = self._chunk_budget
-        chunks: list[Chunk] = []
-        for s in self._prefilling.values():  # admission order: the oldest prompt first
-            start = s.computed
-            length = s.plen - start
-            if length > budget:
-                length = budget
-            chunks.append((s, start, length))
-            budget -= length
-            if budget == 0:
-                break
-        waiting = self._waiting
-        running = self._running
-        free = self._free
-        limit = self._max_batch_size
-        if budget and waiting and free and len(running) < limit:
-            clock = self._clock
-            prefilling = self._prefilling
-            waiting_ids = self._waiting_ids
-            order = self._admitted
-            while True:
-                s = waiting.popleft()
-                rid = s.rid
-                waiting_ids.discard(rid)
-                at = s.arrival_s
-                s.slot = _heappop(free)
-                s.admitted_s = clock if clock > at else at
-                s.order = order
-                order += 1
-                running[rid] = s
-                prefilling[rid] = s
-                length = s.plen
-                if length > budget:
-                    length = budget
-                chunks.append((s, 0, length))
-                budget -= length
-                if not (budget and waiting and free and len(running) < limit):
-                    break
-            self._admitted = order
-        self._pending = (self._step, chunks)
-        return chunks, self._chunk_budget - budget
 
     def update(
         self, plan: StepPlan, sampled: Mapping[str, int | None], now_s: float
@@ -206,20 +206,26 @@ class Scheduler(SchedulerState):
                 f"plan of step {plan.step} given to update at step {k}: apply each plan"
                 " from schedule() exactly once, before the next schedule()"
             )
+        if not sampled:  # update_seqs of this plan's chunks, as records
+            self._pending = (k, lean[LEAN_DATA][1])
+            return [s.finished("length") for s in self.update_seqs(now_s)]
         if now_s > self._clock:
             self._clock = now_s
         firsts = self._prefilled(lean[LEAN_DATA][1], now_s)
-        if sampled:
-            self._saw_tokens = True
-            return self._update_with_tokens(sampled, k, firsts, now_s)
-        return [s.finished("length") for s in self._retire(k, firsts, now_s)]
+        self._saw_tokens = True
+        return self._update_with_tokens(sampled, k, firsts, now_s)
 
     def update_seqs(self, now_s: float) -> list[Seq]:
         """``update(plan, {}, now_s)`` of the step planned last (by ``schedule_totals`` or
         ``schedule``), without the plan or any tokens, returning the finished requests as
         their :class:`Seq` (``last_token_s`` and ``generated`` set; ``Seq.finished`` and
         ``Seq.timing`` make the records ``update`` returns) instead of Finished records:
-        the simulator's step, which builds a record only for what it reports."""
+        the simulator's step, which builds a record only for what it reports (``update``
+        without tokens is this, then the records).
+
+        The end of step ``k`` without tokens: advance the prompts by the step's chunks,
+        finish the decoding requests that reach ``max_tokens``, start the completed
+        prompts decoding (or finish those that wanted one token), step on."""
         k = self._step
         pending = self._pending
         if pending is None or pending[0] != k:
@@ -227,53 +233,38 @@ class Scheduler(SchedulerState):
         self._pending = None
         if now_s > self._clock:
             self._clock = now_s
-        return self._retire(k, self._prefilled(pending[1], now_s), now_s)
-
-    def _prefilled(self, chunks: list[Chunk], now_s: float) -> list[Seq]:
-        """Advance the prompts by the step's chunks; the sequences whose prompt it completed
-        (they sample their first token), in chunk order."""
-        running = self._running
-        prefilling = self._prefilling
-        firsts: list[Seq] = []
-        for s, start, length in chunks:
-            if running.get(s.rid) is s and s.computed == start:  # else aborted since
-                end = s.computed = start + length
-                if end == s.plen:
-                    del prefilling[s.rid]
-                    s.first_token_s = now_s
-                    firsts.append(s)
-        return firsts
-
-    def _retire(self, k: int, firsts: list[Seq], now_s: float) -> list[Seq]:
-        """The end of step ``k`` without tokens: finish the decoding requests that reach
-        ``max_tokens``, start the completed prompts decoding (or finish those that wanted
-        one token), step on. Returns the finished, in the order ``update`` reports them."""
+        chunks = pending[1]
+        firsts = self._prefilled(chunks, now_s) if chunks else chunks
         # Without tokens nothing stops early, and the finishes come in this order: _pop_due
         # yields the decode batch's by (step, order) and all its live entries are for step
         # k (a request is finished in the update of the step it reaches max_tokens, and
         # skip_decode_steps never skips one), then the prompts' come in chunk order.
-        done: list[Seq] = []
         end_steps = self._end_steps
         if end_steps and end_steps[0] <= k:
             decoding = self._decoding
             running = self._running
-            drems = self._drems
             free = self._free
             kv_base = self._kv_base
-            for s in self._pop_due(k):  # decoding requests reaching max_tokens
-                rid = s.rid
-                if decoding.get(rid) is not s:
-                    continue  # aborted
+            # Decoding requests reaching max_tokens: _pop_due's common case inlined.
+            done = self._ends.pop(_heappop(end_steps))
+            if end_steps and end_steps[0] <= k:
+                done = done + self._pop_due(k)
+            if self._stale:  # some were aborted or stopped since: keep the live ones
+                done = [s for s in done if decoding.get(s.rid) is s]
+            for s in done:
                 # _release of a decoding request, inlined: one call less per request.
+                rid = s.rid
                 del running[rid]
                 del decoding[rid]
-                drems.append(s)
-                kv_base -= s.plen + 1 - s.dec_start
+                d = s.dec_start
+                kv_base -= s.plen + 1 - d
                 _heappush(free, s.slot)
                 s.last_token_s = now_s
-                s.generated = k - s.dec_start + 2
-                done.append(s)
+                s.generated = k - d + 2
+            self._drems += done
             self._kv_base = kv_base
+        else:
+            done = []
         if firsts:  # _start_decoding, inlined: one call less per request
             d = k + 1
             decoding = self._decoding
@@ -282,7 +273,7 @@ class Scheduler(SchedulerState):
             ends = self._ends
             for s in firsts:
                 mt = s.max_tokens
-                if mt == 1:  # never decoded
+                if mt == 1:  # never decoded (not in the decoding set's KV sum)
                     self._release(s)
                     s.last_token_s = now_s
                     s.generated = 1
@@ -302,6 +293,23 @@ class Scheduler(SchedulerState):
             self._kv_base = kv_base
         self._step = k + 1
         return done
+
+    def _prefilled(self, chunks: list[Chunk], now_s: float) -> list[Seq]:
+        """Advance the prompts by the step's chunks; the sequences whose prompt it completed
+        (they sample their first token), in chunk order."""
+        prefilling = self._prefilling
+        firsts: list[Seq] = []
+        for s, start, length in chunks:
+            # Else aborted since (abort sets computed to -1): a chunk of a prompt is planned
+            # only while it prefills, and it leaves the running set otherwise only once its
+            # prompt is done.
+            if s.computed == start:
+                end = s.computed = start + length
+                if end == s.plen:
+                    del prefilling[s.rid]
+                    s.first_token_s = now_s
+                    firsts.append(s)
+        return firsts
 
     def _update_with_tokens(
         self,

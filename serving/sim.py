@@ -85,6 +85,9 @@ _NOISE_BLOCK = 512
 _MIN_RUN = 4  # decode-only steps worth one vectorised call of the step-time function
 # ... when the step time of a plan's totals is offered too: shorter runs are timed by it.
 _MIN_VECTOR = 24
+# Arrivals turned away while full are passed over by a bisect among the next _NEAR first
+# (a step sees a dozen or so at a saturating load), then among all.
+_NEAR = 64
 
 
 def _lognormal_sigma(cv: float) -> float:
@@ -225,6 +228,8 @@ def _simulate(
     warmup_s = cfg.warmup_s
     max_steps = cfg.max_steps
     add = sched.add_new
+    bisect_right = bisect.bisect_right
+    inf = math.inf
     schedule = sched.schedule
     schedule_totals = sched.schedule_totals
     update = sched.update_seqs
@@ -250,31 +255,52 @@ def _simulate(
     # turned away, and that is done once when there is room again (or at the end), not
     # at every step (see the module doc). Only while full: in_flight == limit.
     full_at = -math.inf
+    fast = run_fn is not None or totals_fn is not None
     while t < end_s:
-        if arr[i] <= t:
+        a = arr[i]
+        if a <= t:
             if in_flight < limit:
-                if arr[i] <= full_at:  # those that came while it was full, first
-                    i, turned = _queue_or_reject(arr, i, full_at, queue, queue_limit, first_counted)
+                if a <= full_at:  # those that came while it was full, first
+                    if queue_limit:
+                        i, turned = _queue_or_reject(
+                            arr, i, full_at, queue, queue_limit, first_counted
+                        )
+                    else:  # _queue_or_reject without a queue: a bisect, near i first
+                        hi = i + _NEAR if i + _NEAR < n else n
+                        j = bisect_right(arr, full_at, i, hi)
+                        if j == hi:
+                            j = bisect_right(arr, full_at, hi)
+                        turned = j - (i if i >= first_counted else min(j, first_counted))
+                        i = j
                     rejected += turned
-                while arr[i] <= t and in_flight < limit:
-                    add(str(i), plen[i], olen[i], arr[i])
-                    in_flight += 1
-                    i += 1
-            if arr[i] <= t:  # full: queue or turn away every arrival up to t (later)
+                # Admit the arrivals up to t while there is room (a bisect finds them).
+                hi = i + limit - in_flight
+                j = bisect_right(arr, t, i, hi if hi < n else n)
+                if j > i:
+                    for x in range(i, j):
+                        add(str(x), plen[x], olen[x], arr[x])
+                    in_flight += j - i
+                    i = j
+                if arr[i] <= t:  # full: queue or turn away every arrival up to t (later)
+                    full_at = t
+            else:
                 full_at = t
         if not in_flight:  # nothing running or waiting in the engine
             if i >= n:
                 break
             t = arr[i]
             continue
-        if run_fn is not None or totals_fn is not None:
+        if fast:
             m, batch, kv0 = decode_run()
+        else:
+            m = 0
+        if m:
             # A run of decode-only steps, without planning them (see module doc): a long
             # one timed in one vectorised call, a short one by the totals' step time.
             if m >= _MIN_RUN and run_fn is not None and (totals_fn is None or m >= _MIN_VECTOR):
                 kv = kv0 + batch * np.arange(m, dtype=np.int64)  # [m]
                 base = np.asarray(run_fn(batch, kv), dtype=np.float64).tolist()  # [m]
-            elif m and totals_fn is not None:
+            elif totals_fn is not None:
                 base = [totals_fn(batch, kv0 + batch * j, 0, 0) for j in range(m)]  # [m]
             else:
                 m = 0
@@ -294,7 +320,8 @@ def _simulate(
                 sched.skip_decode_steps(took, t)
                 continue
         if totals_fn is not None:
-            base_dt = totals_fn(*schedule_totals(t))
+            nb, nkv, ntok, nchunks = schedule_totals(t)
+            base_dt = totals_fn(nb, nkv, ntok, nchunks)  # a plain call: *args costs more
         else:
             base_dt = step_time(schedule(t))
         if k >= len(noise):
@@ -302,7 +329,7 @@ def _simulate(
             k = 0
         dt = base_dt * slowdown * noise[k]
         k += 1
-        if not (dt > 0 and dt < math.inf):
+        if not (dt > 0 and dt < inf):
             raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
         t += dt
         busy += dt

@@ -56,6 +56,35 @@ def _verdict(x: np.ndarray, threshold_s: float, q: float, confidence: float) -> 
     return verdict_from_counts(x.size, above, threshold_s, estimate, q=q, confidence=confidence)
 
 
+def _columns(
+    timings: Sequence[Any], times: Callable[[Any], tuple]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(arrival_s, first_token_s, last_token_s, generated)`` of each, as float arrays [n]:
+    the finished sequences' (:data:`SEQ_TIMES`) read in one loop, at about a third of
+    what ``times`` called on each costs."""
+    if times is SEQ_TIMES:
+        arrival: list[float] = []
+        first: list[float] = []
+        last: list[float] = []
+        generated: list[int] = []
+        a, f, la, g = arrival.append, first.append, last.append, generated.append
+        for s in timings:
+            a(s.arrival_s)
+            f(s.first_token_s)
+            la(s.last_token_s)
+            g(s.generated)
+        f64 = np.float64
+        return (
+            np.array(arrival, dtype=f64),
+            np.array(first, dtype=f64),
+            np.array(last, dtype=f64),
+            np.array(generated, dtype=f64),
+        )
+    flat = itertools.chain.from_iterable(map(times, timings))
+    rows = np.fromiter(flat, dtype=np.float64, count=4 * len(timings)).reshape(-1, 4)  # [n, 4]
+    return rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+
+
 def observation_from_timings(
     timings: Sequence[RequestTiming],
     *,
@@ -71,9 +100,7 @@ def observation_from_timings(
     ``times`` reads ``(arrival_s, first_token_s, last_token_s, generated_tokens)`` of one
     (:data:`SEQ_TIMES`: the simulator hands in the finished sequences themselves)."""
     # RequestTiming's ttft_s and tpot_s, as arrays: the same float operations.
-    flat = itertools.chain.from_iterable(map(times, timings))
-    rows = np.fromiter(flat, dtype=np.float64, count=4 * len(timings)).reshape(-1, 4)  # [n, 4]
-    arrival, first, last, generated = rows.T  # [n] each
+    arrival, first, last, generated = _columns(timings, times)  # [n] each
     ttft_a = first - arrival  # [n]
     has_tpot = generated >= 2  # [n]
     tpot_a = (last[has_tpot] - first[has_tpot]) / (generated[has_tpot] - 1)  # [m]

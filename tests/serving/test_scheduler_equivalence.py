@@ -101,3 +101,38 @@ def test_a_plan_is_applied_once() -> None:
     s.update(plan, {}, now_s=0.1)
     with pytest.raises(ValueError, match="plan of step 0 given to update at step 1"):
         s.update(plan, {}, now_s=0.2)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_chunk_planned_before_an_abort_is_applied_to_no_namesake(lean: bool) -> None:
+    """A prefilling request aborted between its plan and the update, and a new one queued
+    under its id meanwhile: the update advances neither (the new one gets its whole prompt
+    later), as in the reference; ``lean``: the simulator's schedule_totals + update_seqs."""
+    cfg = SchedulerConfig(max_slots=2, max_batch_size=2, max_len=64, prefill_chunk=8)
+    new, ref = Scheduler(cfg), RefScheduler(cfg)
+    for s in (new, ref):
+        s.add(SeqRequest(request_id="a", prompt_len=16, max_tokens=3, arrival_s=0.0))
+        s.add(SeqRequest(request_id="b", prompt_len=4, max_tokens=2, arrival_s=0.0))
+    got: list = []
+    want: list = []
+    t = 0.0
+    for step in range(40):
+        p_ref = ref.schedule(now_s=t)
+        if lean:
+            assert new.schedule_totals(t) == p_ref.totals()
+        else:
+            p_new = new.schedule(now_s=t)
+            assert p_new.prefill == p_ref.prefill
+        if step == 1:  # "a" is half prefilled; this plan has the rest of its prompt
+            assert new.abort("a") and ref.abort("a")
+            for s in (new, ref):
+                s.add(SeqRequest(request_id="a", prompt_len=9, max_tokens=4, arrival_s=t))
+        t += 0.5
+        got += (
+            [s.timing() for s in new.update_seqs(t)]
+            if lean
+            else [f.timing for f in new.update(p_new, {}, now_s=t)]
+        )
+        want += [f.timing for f in ref.update(p_ref, {}, now_s=t)]
+        assert got == want
+    assert sorted(r.generated_tokens for r in want) == [2, 4]
