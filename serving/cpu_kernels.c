@@ -30,6 +30,9 @@
  * batch sizes (norms, the four GEMVs, attention, SwiGLU, residual adds) in one
  * parallel region, the same steps and roundings as the layer called op by op.
  *
+ * slotune_decode_step_bf16: a whole decode step past the embedding at those batch sizes
+ * (every layer, the final norm, the lm_head GEMV) in one parallel region.
+ *
  * Threads: OpenMP over (sequence, KV head) pairs, as many as the caller passes
  * (torch.get_num_threads(): OpenMP's own count is per calling thread, and an engine
  * step may run on a thread torch never configured). The library links libgomp.so.1,
@@ -63,8 +66,9 @@ static inline bf16 f2b(float f) { /* round to nearest even, as torch rounds */
 
 /* The GEMV and whole-layer kernels are built for one of two instruction sets: AVX-512
    with bf16 dot products (VECTOR_PATH: vdpbf16ps, and the vector attention), or AVX2
-   with FMA (AVX2_PATH: bf16 widened to fp32, fp32 FMAs; attention on the scalar path,
-   which the compiler vectorizes). Without either only attention and RMSNorm are built. */
+   with FMA (AVX2_PATH: bf16 widened to fp32, fp32 FMAs, for the attention too). Without
+   either only attention (the scalar path, which the compiler vectorizes) and RMSNorm are
+   built. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define VECTOR_PATH 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -292,6 +296,8 @@ static inline __attribute__((always_inline)) void attend_vec(
 #endif
 
 #ifdef AVX2_PATH
+#define VEC_MAX_GROUP 8
+
 static inline __m256 cvt8(const bf16 *p) { /* 8 bf16 -> 8 fp32 */
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -491,6 +497,73 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* softmax_vec of the AVX-512 path, 8 at a time (exp8: the same polynomial); the tail's
+   lanes masked. */
+static inline void softmax_vec8(float *sj, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sj + t));
+    float mv[8], mx = -INFINITY;
+    _mm256_storeu_ps(mv, m);
+    for (int i = 0; i < 8; i++) mx = mv[i] > mx ? mv[i] : mx;
+    for (; t < n; t++) mx = sj[t] > mx ? sj[t] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t < n; t += 8) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), lane);
+        const __m256 x = _mm256_maskload_ps(sj + t, k);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, vm)), _mm256_castsi256_ps(k));
+        _mm256_maskstore_ps(sj + t, k, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    const float inv = 1.f / hsum8(sum);
+    for (t = 0; t < n; t++) sj[t] = b2f(f2b(sj[t] * inv));
+}
+
+/* attend_vec of the AVX-512 path in AVX2 (D a multiple of 16 up to 128, a compile-time
+   constant at each call site; g <= VEC_MAX_GROUP): scores as fp32 FMAs on K rows widened
+   by the GEMV's unpacks (q widened the same way once), P.V as fp32 FMAs over positions in
+   order, each dimension's sum as the scalar path takes it. */
+static inline __attribute__((always_inline)) void attend_avx2(
+    bf16 qr[][MAX_HEAD_DIM], const bf16 *kc, const bf16 *vc, int64_t n, int64_t g, const int D,
+    float scale, float *sc, int64_t stride, float acc[][MAX_HEAD_DIM]) {
+    float qf[VEC_MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    for (int64_t j = 0; j < g; j++)
+        for (int c = 0; c < D / 16; c++) {
+            const __m256i v = load256(qr[j] + 16 * c);
+            _mm256_store_ps(qf[j] + 16 * c, LO16(v));
+            _mm256_store_ps(qf[j] + 16 * c + 8, HI16(v));
+        }
+    for (int64_t t = 0; t < n; t++) {
+        __m256 k[16];
+        for (int c = 0; c < D / 16; c++) {
+            const __m256i v = load256(kc + t * D + 16 * c);
+            k[2 * c] = LO16(v);
+            k[2 * c + 1] = HI16(v);
+        }
+        for (int64_t j = 0; j < g; j++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int c = 0; c < D / 8; c += 2) {
+                a0 = _mm256_fmadd_ps(k[c], _mm256_load_ps(qf[j] + 8 * c), a0);
+                a1 = _mm256_fmadd_ps(k[c + 1], _mm256_load_ps(qf[j] + 8 * c + 8), a1);
+            }
+            sc[j * stride + t] = b2f(f2b(hsum8(_mm256_add_ps(a0, a1)) * scale));
+        }
+    }
+    for (int64_t j = 0; j < g; j++) softmax_vec8(sc + j * stride, n);
+    for (int64_t j = 0; j < g; j++) {
+        const float *sj = sc + j * stride;
+        __m256 a[16];
+        for (int c = 0; c < D / 8; c++) a[c] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 p = _mm256_set1_ps(sj[t]);
+            for (int c = 0; c < D / 8; c++) a[c] = _mm256_fmadd_ps(p, cvt8(vc + t * D + 8 * c), a[c]);
+        }
+        for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(acc[j] + 8 * c, a[c]);
+    }
+}
+
 /* silu_mul16 of the AVX-512 path, 8 at a time, twice. */
 static inline void silu_mul16(const bf16 *gate, const bf16 *up, bf16 *o) {
     for (int k = 0; k < 16; k += 8) {
@@ -556,13 +629,21 @@ static void attention_for(const bf16 *qkv, bf16 *cache, const bf16 *cos_t, const
         float acc[MAX_GROUP][MAX_HEAD_DIM];
         for (int64_t j = 0; j < g; j++) rope(src + (kh * g + j) * D, cs, sn, D, qr[j]);
         const int64_t n = pos + 1;
-#ifdef VECTOR_PATH
+#if defined(VECTOR_PATH)
         if (g <= VEC_MAX_GROUP && D == 64)
             attend_vec(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
         else if (g <= VEC_MAX_GROUP && D == 128)
             attend_vec(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
         else if (g <= VEC_MAX_GROUP && D == 32)
             attend_vec(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
+        else
+#elif defined(AVX2_PATH)
+        if (g <= VEC_MAX_GROUP && D == 64)
+            attend_avx2(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
+        else if (g <= VEC_MAX_GROUP && D == 128)
+            attend_avx2(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
+        else if (g <= VEC_MAX_GROUP && D == 32)
+            attend_avx2(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
         else
 #endif
             attend_scalar(qr, kc, vc, n, g, D, scale, sc, stride, acc);
