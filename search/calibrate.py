@@ -60,6 +60,7 @@ from search.decode_step import (
 )
 from search.hardware import BYTES_PER_ELEM, DecodeProfile, HardwareSpec
 from search.models import ModelSpec
+from serving import hugepages
 from serving.fused_linear import widens_bf16
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ def _check_threads(threads: object) -> None:
 
 def measure_bandwidth(dev: torch.device, nbytes: int, reps: int, budget_s: float = 0.0) -> float:
     """Bytes/s of a full read (sum) of a filled fp32 tensor of ``nbytes``."""
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=dev)  # [N]
+    # On huge pages where it can be, as the engine's packed weights and KV cache are.
+    x = hugepages.empty(nbytes // 4, torch.float32, dev)  # [N]
     x.fill_(1.0)  # touch every page: zero pages would read from one cached page
     t = best_time(lambda: x.sum(), dev, reps, budget_s)
     return x.numel() * 4 / t

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from serving import cpu_step
+from serving import cpu_step, hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Kernels:
     def pack_cols16(self, weight: torch.Tensor) -> torch.Tensor:
         """The small GEMM's copy of a bf16 weight [O, I] (see :meth:`gemm`)."""
         w = weight.detach().contiguous()
-        packed = torch.empty(w.numel(), dtype=w.dtype)
+        packed = hugepages.empty(w.numel(), w.dtype)  # streamed every step: huge pages
         self._pack16(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
         return packed
 
@@ -151,7 +151,7 @@ class Kernels:
     def pack_rows8(self, weight: torch.Tensor) -> torch.Tensor:
         """The GEMV's copy of a bf16 weight [O, I] (see :meth:`gemv`)."""
         w = weight.detach().contiguous()
-        packed = torch.empty(w.numel(), dtype=w.dtype)  # torch's CPU allocator: 64-byte aligned
+        packed = hugepages.empty(w.numel(), w.dtype)  # streamed every step: huge pages
         if packed.data_ptr() % 64:
             raise RuntimeError("GEMV weight copy not 64-byte aligned")
         self._pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving import cpu_kernels, cpu_step
+from serving import cpu_kernels, cpu_step, hugepages
 from serving.config import ModelConfig
 from serving.fused_linear import (
     FusedHF,
@@ -327,7 +327,7 @@ class Transformer(nn.Module):
         dev, dt = self.lm_head.weight.device, self.lm_head.weight.dtype
         shape = (2, max_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
         for layer in self.model.layers:
-            layer.self_attn.kv_cache = torch.zeros(shape, device=dev, dtype=dt)
+            layer.self_attn.kv_cache = hugepages.empty(shape, dt, dev).zero_()  # read each step
         self.max_slots, self.max_len = max_slots, max_len
         logger.info(
             "KV cache: %d slots x %d tokens, %.1f MiB",
