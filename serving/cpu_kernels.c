@@ -609,6 +609,13 @@ static float *thread_scratch(int64_t g, int64_t L, int *failed) {
     return sc;
 }
 
+/* The vector attention of the build (D 32, 64 or 128 as a constant, g <= VEC_MAX_GROUP). */
+#if defined(VECTOR_PATH)
+#define ATTEND_VEC attend_vec
+#elif defined(AVX2_PATH)
+#define ATTEND_VEC attend_avx2
+#endif
+
 /* The decode attention of one layer as a worksharing loop over (sequence, KV head)
    pairs: call it inside a parallel region, sc a thread's own scratch of g * (L + 16)
    floats. Arguments as slotune_decode_attention_bf16's. */
@@ -629,21 +636,13 @@ static void attention_for(const bf16 *qkv, bf16 *cache, const bf16 *cos_t, const
         float acc[MAX_GROUP][MAX_HEAD_DIM];
         for (int64_t j = 0; j < g; j++) rope(src + (kh * g + j) * D, cs, sn, D, qr[j]);
         const int64_t n = pos + 1;
-#if defined(VECTOR_PATH)
+#ifdef ATTEND_VEC
         if (g <= VEC_MAX_GROUP && D == 64)
-            attend_vec(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
+            ATTEND_VEC(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
         else if (g <= VEC_MAX_GROUP && D == 128)
-            attend_vec(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
+            ATTEND_VEC(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
         else if (g <= VEC_MAX_GROUP && D == 32)
-            attend_vec(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
-        else
-#elif defined(AVX2_PATH)
-        if (g <= VEC_MAX_GROUP && D == 64)
-            attend_avx2(qr, kc, vc, n, g, 64, scale, sc, stride, acc);
-        else if (g <= VEC_MAX_GROUP && D == 128)
-            attend_avx2(qr, kc, vc, n, g, 128, scale, sc, stride, acc);
-        else if (g <= VEC_MAX_GROUP && D == 32)
-            attend_avx2(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
+            ATTEND_VEC(qr, kc, vc, n, g, 32, scale, sc, stride, acc);
         else
 #endif
             attend_scalar(qr, kc, vc, n, g, D, scale, sc, stride, acc);

@@ -191,10 +191,8 @@ class Kernels:
         same roundings). Returns the layer's output [B, 1, d] bf16."""
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        cache, cos = attn.kv_cache, ctx.cos_table
-        b, _, d = x.shape
-        _, s, hkv, length, hd = cache.shape
         out = torch.empty_like(x)
+        tail = cpu_step.call_tail(x, layer, ctx)
         rc = self._layer(
             x.data_ptr(),
             out.data_ptr(),
@@ -206,24 +204,10 @@ class Kernels:
             attn.o_proj.rows8.data_ptr(),
             mlp.gate_up_proj.rows8.data_ptr(),
             mlp.down_proj.rows8.data_ptr(),
-            cache.data_ptr(),
-            cos.data_ptr(),
-            ctx.sin_table.data_ptr(),
-            ctx.positions.data_ptr(),
-            ctx.slots.data_ptr(),
-            b,
-            d,
-            mlp.down_proj.in_features,
-            attn.n_heads,
-            hkv,
-            hd,
-            s,
-            length,
-            cos.shape[0],
-            hd**-0.5,
-            torch.get_num_threads(),
+            attn.kv_cache.data_ptr(),
+            *tail,
         )
-        self._check(rc, length, cos.shape[0], s, ctx.positions, ctx.slots)
+        cpu_step.check_call(self, rc, tail, ctx)
         return out
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:

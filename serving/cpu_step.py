@@ -31,6 +31,37 @@ def bind(lib: ctypes.CDLL) -> Any:
     return fn
 
 
+def call_tail(x: torch.Tensor, layer: Any, ctx: Any) -> tuple:
+    """The arguments the whole-layer and whole-step calls end with: the rotary tables,
+    positions and slots of the step; M, d, I, H, Hkv, D, S, L, P; scale, threads
+    (``layer``: any of the model's decoder layers, ``x`` [M, 1, d])."""
+    cache, cos = layer.self_attn.kv_cache, ctx.cos_table
+    _, s, hkv, length, hd = cache.shape
+    return (
+        cos.data_ptr(),
+        ctx.sin_table.data_ptr(),
+        ctx.positions.data_ptr(),
+        ctx.slots.data_ptr(),
+        x.shape[0],
+        x.shape[-1],
+        layer.mlp.down_proj.in_features,
+        layer.self_attn.n_heads,
+        hkv,
+        hd,
+        s,
+        length,
+        cos.shape[0],
+        hd**-0.5,
+        torch.get_num_threads(),
+    )
+
+
+def check_call(kernels: Any, rc: int, tail: tuple, ctx: Any) -> None:
+    """``Kernels._check`` of a call that ended with ``tail`` (:func:`call_tail`)."""
+    s, length, table = tail[10:13]
+    kernels._check(rc, length, table, s, ctx.positions, ctx.slots)
+
+
 def _layer_modules(model: Any) -> list[tuple[Any, Any, Any, tuple[Any, ...], Any]]:
     """Per layer (the block, its two norms, its four linears, its attention), kept on
     the model for later steps while its layer list is the same."""
@@ -76,37 +107,20 @@ def decode_step(model: Any, x: torch.Tensor, ctx: Any) -> torch.Tensor | None:
         ptrs += (n1._parameters["weight"].data_ptr(), n2._parameters["weight"].data_ptr())
         ptrs += (c.data_ptr() for c in copies)
         ptrs.append(attn._buffers["kv_cache"].data_ptr())
-    first = model.model.layers[0]
-    cache, cos = first.self_attn.kv_cache, ctx.cos_table
-    b, _, d = x.shape
-    _, s, hkv, length, hd = cache.shape
     vocab = model.lm_head.out_features
-    logits = torch.empty(b, vocab, dtype=x.dtype)
+    logits = torch.empty(x.shape[0], vocab, dtype=x.dtype)
     table = (ctypes.c_int64 * len(ptrs))(*ptrs)
+    tail = call_tail(x, model.model.layers[0], ctx)
     rc = k.step_fn(
         x.data_ptr(),
         logits.data_ptr(),
         table,
-        len(model.model.layers),
+        len(ptrs) // 7,
         norm_f.weight.data_ptr(),
         head.data_ptr(),
         vocab,
         eps,
-        cos.data_ptr(),
-        ctx.sin_table.data_ptr(),
-        ctx.positions.data_ptr(),
-        ctx.slots.data_ptr(),
-        b,
-        d,
-        first.mlp.down_proj.in_features,
-        first.self_attn.n_heads,
-        hkv,
-        hd,
-        s,
-        length,
-        cos.shape[0],
-        hd**-0.5,
-        torch.get_num_threads(),
+        *tail,
     )
-    k._check(rc, length, cos.shape[0], s, ctx.positions, ctx.slots)
+    check_call(k, rc, tail, ctx)
     return logits.float()
