@@ -20,6 +20,7 @@ import ctypes
 import math
 import mmap
 import sys
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -29,7 +30,8 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @lru_cache(maxsize=1)
-def _madvise():  # type: ignore[no-untyped-def]
+def _madvise() -> Callable[..., int] | None:
+    """libc's madvise, or None where there is none to call."""
     if not sys.platform.startswith("linux"):
         return None
     try:
