@@ -79,7 +79,7 @@ def _no_mirror(b: int, kv: int, ptok: int, nchunks: int) -> float:
 
 def _check_grid(capacity: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """Plan shapes the mirror is checked on: (batch, kv tokens, chunk lengths)."""
-    out = []
+    out: list[tuple[int, int, tuple[int, ...]]] = []
     for b in sorted({0, 1, 3, 64, max(1, capacity)}):
         for chunks in ((), (17,), (5, 200, 51)):
             if b or chunks:
@@ -132,12 +132,17 @@ class DecodeRunStepTime:
             if self._scalar is None:
                 return self.target.step_time(plan)
             want = self._checked(plan)
-            if self._scalar is None:
+            if not self.mirroring:  # (a property: a compiled build keeps no narrowed read)
                 stop_mirroring()  # from now on every call is timed by step_time
             return want
 
         fn, stop_mirroring = self._mirror_of(c, check)
         return fn
+
+    @property
+    def mirroring(self) -> bool:
+        """Whether the scalar mirror is on (off: every step is timed by ``step_time``)."""
+        return self._scalar is not None
 
     def _checked(self, plan: StepPlan) -> float:
         want = self.target.step_time(plan)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
+from typing import Any
 
 from serving.seq_state import Seq
 from serving.step_plan import Finished, SchedulerConfig, SeqRequest, _is_int
@@ -65,8 +66,9 @@ class SchedulerState:
         self._clock = float("-inf")  # latest time seen, for admission without now_s
 
     # ---- requests in and out -------------------------------------------------
-    def validate(self, prompt_len: object, max_tokens: object) -> None:
-        """Raise ValueError naming the bad value if a request cannot be served."""
+    def validate(self, prompt_len: object, max_tokens: object) -> tuple[int, int]:
+        """Raise ValueError naming the bad value if a request cannot be served; else return
+        the two, as the integers they are."""
         if not _is_int(prompt_len) or prompt_len < 1:
             raise ValueError(f"prompt length {prompt_len!r}: the prompt must not be empty")
         if not _is_int(max_tokens):
@@ -78,11 +80,15 @@ class SchedulerState:
                 f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = "
                 f"{prompt_len + max_tokens} exceeds the context length {self.config.max_len}"
             )
+        return prompt_len, max_tokens
 
     def add(self, req: SeqRequest) -> None:
         """Queue a request; ValueError (naming the value) if it cannot be served."""
-        plen = req.prompt_len
-        mt = req.max_tokens
+        # Read untyped: the values are checked here, and a compiled build (serving/native.py)
+        # would check their declared types on reading (TypeError, not this ValueError).
+        r: Any = req
+        plen: object = r.prompt_len
+        mt: object = r.max_tokens
         # The common case in one test (plain ints that fit); anything else the full check.
         if not (
             type(plen) is int
@@ -91,7 +97,7 @@ class SchedulerState:
             and mt >= 1
             and plen + mt <= self._max_len
         ):
-            self.validate(plen, mt)
+            plen, mt = self.validate(plen, mt)
         ids = req.prompt_ids
         if ids is not None and len(ids) != plen:
             raise ValueError(f"prompt_ids has {len(ids)} tokens but prompt_len={plen}")
@@ -103,7 +109,9 @@ class SchedulerState:
         if req.arrival_s > self._clock:
             self._clock = req.arrival_s
 
-    def add_new(self, request_id: str, prompt_len: int, max_tokens: int, arrival_s: float) -> None:
+    def add_new(
+        self, request_id: str, prompt_len: object, max_tokens: object, arrival_s: float
+    ) -> None:
         """``add(SeqRequest(...))`` of a request with no prompt ids and no stop ids, in one
         call and without the SeqRequest (the simulator adds thousands a window): the same
         checks and errors."""
@@ -114,7 +122,7 @@ class SchedulerState:
             and max_tokens >= 1
             and prompt_len + max_tokens <= self._max_len
         ):
-            self.validate(prompt_len, max_tokens)
+            prompt_len, max_tokens = self.validate(prompt_len, max_tokens)
         if request_id in self._running or request_id in self._waiting_ids:
             raise ValueError(f"request_id={request_id!r}: already in use")
         self._waiting.append(Seq(request_id, prompt_len, max_tokens, arrival_s))
@@ -142,7 +150,7 @@ class SchedulerState:
             return True
         return False
 
-    def set_max_batch_size(self, n: int) -> None:
+    def set_max_batch_size(self, n: object) -> None:
         if not _is_int(n) or not 1 <= n <= self.config.max_slots:
             raise ValueError(
                 f"max_batch_size={n!r}: must be an integer in 1..{self.config.max_slots} "
@@ -251,7 +259,7 @@ class SchedulerState:
         k = self._step
         return e - k, n, self._kv_base + n * k
 
-    def skip_decode_steps(self, steps: int, now_s: float) -> None:
+    def skip_decode_steps(self, steps: object, now_s: float) -> None:
         """Apply ``steps`` of the steps ``decode_run`` promises at once, without plans;
         ``now_s`` is when the last of them ended. What they would have returned is
         nothing: no request finishes in them."""

@@ -234,7 +234,7 @@ class Scheduler(SchedulerState):
         if now_s > self._clock:
             self._clock = now_s
         chunks = pending[1]
-        firsts = self._prefilled(chunks, now_s) if chunks else chunks
+        firsts: list[Seq] = self._prefilled(chunks, now_s) if chunks else []
         # Without tokens nothing stops early, and the finishes come in this order: _pop_due
         # yields the decode batch's by (step, order) and all its live entries are for step
         # k (a request is finished in the update of the step it reaches max_tokens, and

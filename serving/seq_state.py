@@ -50,6 +50,13 @@ class Seq:
     ``slot``, ``admitted_s`` and ``order`` are set when it is admitted, ``last_token_s``
     and ``generated`` when it finishes (unset before: nothing reads them earlier)."""
 
+    # Set when admitted / when it finishes (see above): declared, not set in __init__.
+    slot: int
+    admitted_s: float
+    order: int
+    last_token_s: float
+    generated: int
+
     __slots__ = (
         "rid",
         "plen",

@@ -25,7 +25,6 @@ import numpy as np
 
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict
 from metrics.samples import verdict_from_counts
-from serving.step_plan import RequestTiming
 
 _TIMES = operator.attrgetter("arrival_s", "first_token_s", "last_token_s", "generated_tokens")
 # The same four of a finished serving.seq_state.Seq.
@@ -86,7 +85,7 @@ def _columns(
 
 
 def observation_from_timings(
-    timings: Sequence[RequestTiming],
+    timings: Sequence[Any],  # RequestTiming, or what ``times`` reads (a finished Seq)
     *,
     slo: Slo,
     start_s: float,

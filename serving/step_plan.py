@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -120,6 +120,11 @@ class StepPlan:
     """
 
     __slots__ = ("_decode", "_prefill", "_lean")
+    # Set through object.__setattr__ (the plan is immutable). Any: the entry tuples (None
+    # until built) and the LeanFacts (None: built by hand), read at constant indices.
+    _decode: Any
+    _prefill: Any
+    _lean: Any
 
     def __init__(
         self,
