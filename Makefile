@@ -12,7 +12,11 @@ PYTEST_ARGS ?=
 
 .PHONY: venv demo test test-fast lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+# What setup.py compiles with mypyc (serving/native.py, COMPILED): an edit rebuilds.
+NATIVE_SRC := setup.py serving/native.py serving/seq_state.py serving/sched_state.py \
+	serving/scheduler.py serving/sim.py controller/sim_decode_run.py
+
+$(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e '.[dev]'

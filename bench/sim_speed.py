@@ -15,7 +15,9 @@ fast path and the scalar mirror of the step time, controller/sim_decode_run.py: 
 (``SimTarget.step_time`` itself, every step: the truth the others must equal) and,
 with ``--against REF``, serving/, controller/sim_decode_run.py and metrics/samples.py as they
 were at git commit REF, the way that commit's ``SimTarget.run`` used them (the baseline the
-speed-ups are relative to).
+speed-ups are relative to). The current variants run the compiled build of the simulator's
+modules when there is one (serving/native.py; the JSON's ``native`` says whether), the
+reference always its Python sources: ``--against HEAD`` measures what compiling gives.
 
 Usage: ``python bench/sim_speed.py [--quick] [--reps 3] [--against REF]``. Prints a
 table, then one JSON line.
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from controller.sim_decode_run import DecodeRunStepTime  # noqa: E402
 from controller.sim_target import SCENARIOS, SimTarget  # noqa: E402
 from search.space import Knobs  # noqa: E402
+from serving import native  # noqa: E402
 from serving import sim as current_sim  # noqa: E402
 from serving.scheduler import StepPlan  # noqa: E402
 
@@ -273,13 +276,15 @@ def main(argv: list[str] | None = None) -> int:
         " every step; plain: SimTarget.step_time every step; worst knob: the slowest window"
         " of 'runs', wall clock; step_time: share of the stepwise time inside the step-time"
         " function; same: every variant gave identical results;"
-        f" load average {load0[0]:.2f} before, {load1[0]:.2f} after)"
+        f" load average {load0[0]:.2f} before, {load1[0]:.2f} after;"
+        f" simulator modules: {native.status()['why']})"
     )
     summary = {
         "bench": "sim_speed",
         "quick": args.quick,
         "reps": reps,
         "against": args.against,
+        "native": native.status(),
         "loadavg_1m": [round(load0[0], 2), round(load1[0], 2)],
         "wall_s": round(time.perf_counter() - t0, 1),
         "min_sim_s_per_cpu_s": min(r["runs"]["sim_s_per_cpu_s"] for r in res.values()),

@@ -1,1 +1,5 @@
 """The loops, guardrails, targets, load generator, reports and the CLI."""
+
+from serving.native import guard as _guard
+
+_guard()  # controller/sim_decode_run.py is one of the compiled modules

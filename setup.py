@@ -1,0 +1,77 @@
+"""Builds the package; the metadata is in pyproject.toml.
+
+With mypyc at hand (pyproject's build requirements bring it), the simulator's hot modules
+(serving/native.py, ``COMPILED``) are compiled to C from the same sources, and their
+hashes recorded so a stale build is never used. Anything that stops that build leaves the
+pure-Python package, with a warning. ``SLOTUNE_PURE_PYTHON=1`` compiles nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+
+
+def _native():
+    spec = importlib.util.spec_from_file_location("_slotune_native", HERE / "serving/native.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+native = _native()
+
+
+def _warn(msg: str) -> None:
+    print(f"slotune build: {msg}; the simulator runs as pure Python", file=sys.stderr)
+
+
+def _extensions() -> list:
+    if os.environ.get(native.PURE_ENV) == "1":
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _warn("mypyc is not installed")
+        return []
+    try:
+        return mypycify(
+            # Other modules and libraries are read for their types only; the installed
+            # libraries (torch, numpy) are left out, as Any: reading them costs minutes.
+            [*native.COMPILED, "--ignore-missing-imports", "--follow-imports=silent"]
+            + ["--no-site-packages"],
+            opt_level="3",
+            group_name="slotune_native",
+        )
+    except (Exception, SystemExit) as e:  # mypy exits on a type error
+        _warn(f"mypyc refused the sources ({e!r})")
+        return []
+
+
+class BuildNative(build_ext):
+    """build_ext that falls back to pure Python and records what it compiled."""
+
+    def run(self) -> None:
+        if not self.extensions:
+            return
+        try:
+            super().run()
+        except Exception as e:  # no compiler, a failed compile or link
+            _warn(f"compiling failed ({e!r})")
+            for ext in self.extensions:  # leave no part of a build behind
+                Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            return
+        # The record goes where serving/ is built (the source tree when editable).
+        out = Path(self.get_ext_fullpath("serving.sim")).parent / Path(native.RECORD).name
+        out.write_text(json.dumps({"sources": native.source_hashes(HERE)}, indent=1) + "\n")
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildNative})
