@@ -30,18 +30,22 @@ def _native():
 native = _native()
 
 
-def _warn(msg: str) -> None:
-    print(f"slotune build: {msg}; the simulator runs as pure Python", file=sys.stderr)
+def _pure(msg: str | None) -> list:
+    """No compiled modules: say why (if not asked for), and drop the record of an earlier
+    build in the source tree, so its leftover extensions are not used (serving/native.py)."""
+    if msg:
+        print(f"slotune build: {msg}; the simulator runs as pure Python", file=sys.stderr)
+    (HERE / native.RECORD).unlink(missing_ok=True)
+    return []
 
 
 def _extensions() -> list:
     if os.environ.get(native.PURE_ENV) == "1":
-        return []
+        return _pure(None)
     try:
         from mypyc.build import mypycify
     except ImportError:
-        _warn("mypyc is not installed")
-        return []
+        return _pure("mypyc is not installed")
     try:
         return mypycify(
             # Other modules and libraries are read for their types only; the installed
@@ -52,8 +56,7 @@ def _extensions() -> list:
             group_name="slotune_native",
         )
     except (Exception, SystemExit) as e:  # mypy exits on a type error
-        _warn(f"mypyc refused the sources ({e!r})")
-        return []
+        return _pure(f"mypyc refused the sources ({e!r})")
 
 
 class BuildNative(build_ext):
@@ -62,16 +65,18 @@ class BuildNative(build_ext):
     def run(self) -> None:
         if not self.extensions:
             return
+        # The record goes where serving/ is built (the source tree when editable), written
+        # only once the whole build is there.
+        record = Path(self.get_ext_fullpath("serving.sim")).parent / Path(native.RECORD).name
+        record.unlink(missing_ok=True)
         try:
             super().run()
         except Exception as e:  # no compiler, a failed compile or link
-            _warn(f"compiling failed ({e!r})")
             for ext in self.extensions:  # leave no part of a build behind
                 Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            _pure(f"compiling failed ({e!r})")
             return
-        # The record goes where serving/ is built (the source tree when editable).
-        out = Path(self.get_ext_fullpath("serving.sim")).parent / Path(native.RECORD).name
-        out.write_text(json.dumps({"sources": native.source_hashes(HERE)}, indent=1) + "\n")
+        record.write_text(json.dumps({"sources": native.source_hashes(HERE)}, indent=1) + "\n")
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildNative})
