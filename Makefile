@@ -42,4 +42,5 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info build
+	rm -f *.so serving/*.so controller/*.so serving/_native.json  # the simulator's mypyc build
