@@ -50,8 +50,9 @@ then per step, per admitted request and fixed per window, and each is kept small
 
 Installed, this module, the scheduler's (serving/scheduler.py, sched_state.py,
 seq_state.py) and the step-time mirror (controller/sim_decode_run.py) are compiled to C by
-mypyc from these sources (serving/native.py; 1.5-1.6x faster, the same results): the
-costs above are then those of C calls into CPython's dicts, lists and heaps.
+mypyc from these sources (serving/native.py; bench/sim_speed.py: 1.46-1.6x faster, the
+same results): the costs above are then those of C calls into CPython's dicts, lists and
+heaps.
 
 Results are the same, bit for bit, whichever path a step takes
 (tests/serving/test_sim.py checks them against the plain reference loop, and
