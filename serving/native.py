@@ -112,10 +112,7 @@ def guard() -> dict[str, object]:
     global _status
     if _status is None:
         use, why = decide()
-        if not use:
-            loaded = [n for n in map(module_name, COMPILED) if n in sys.modules]
-            if loaded:  # imported before the guard ran: cannot be swapped now
-                raise ImportError(f"serving.native.guard: {loaded} imported before the guard")
+        if not use:  # (runs when serving is imported: before any module it swaps)
             sys.meta_path.insert(0, _SourceFinder(ROOT))
             if _built(ROOT) and os.environ.get(PURE_ENV) != "1":
                 logger.warning(
