@@ -12,9 +12,9 @@ PYTEST_ARGS ?=
 
 .PHONY: venv demo test test-fast lint bench clean
 
-# What setup.py compiles with mypyc (serving/native.py, COMPILED): an edit rebuilds.
-NATIVE_SRC := setup.py serving/native.py serving/seq_state.py serving/sched_state.py \
-	serving/scheduler.py serving/sim.py controller/sim_decode_run.py
+# What setup.py compiles with mypyc (its COMPILED, and serving/native.py): an edit rebuilds.
+NATIVE_SRC := setup.py serving/native.py serving/scheduler/seq.py serving/scheduler/state.py \
+	serving/scheduler/scheduler.py serving/sim/simulator.py controller/sim/decode_run.py
 
 $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,4 +43,4 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info build
-	rm -f *.so serving/*.so controller/*.so serving/_native.json  # the simulator's mypyc build
+	find serving controller -name "*.so" -delete; rm -f *.so serving/_native.json  # the simulator's mypyc build

@@ -13,8 +13,8 @@ as shared zero pages and hides its traffic). Reported per batch:
 - the ideal roofline of the calibrated device, max(bytes / measured bandwidth,
   FLOPs / measured matmul peak), bytes = weights + B * context * KV bytes per
   token; ``fraction`` = roofline / measured (1.0 would be perfect);
-- the calibrated model's prediction (search/roofline.py with the decode profile
-  ``search/calibrate.py`` measures in the same run) and its relative error.
+- the calibrated model's prediction (search/roofline/curve.py with the decode profile
+  ``search/calibrate/device.py`` measures in the same run) and its relative error.
 
 The last line is one JSON object: ``roofline_fraction_batch1``,
 ``roofline_fraction_max_batch``, ``max_prediction_error`` and the table.
@@ -47,13 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from search.calibrate import PLANS, calibrate
-from search.hardware import HardwareSpec
-from search.models import ModelSpec
-from search.roofline import Roofline
-from serving.config import ModelConfig
-from serving.engine import Engine
-from serving.scheduler import DecodeEntry, StepPlan
+from search.calibrate.device import calibrate
+from search.calibrate.plan import PLANS
+from search.roofline.curve import Roofline
+from search.roofline.hardware import HardwareSpec
+from search.roofline.models import ModelSpec
+from serving.engine.engine import Engine
+from serving.model.config import ModelConfig
+from serving.scheduler.plan import DecodeEntry, StepPlan
 
 SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
@@ -64,7 +65,7 @@ def spec_for(cfg: ModelConfig) -> ModelSpec:
     ours = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
     theirs = (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab)
     if ours != theirs:
-        raise SystemExit(f"search/models.py {spec.name} {theirs} != serving preset {ours}")
+        raise SystemExit(f"search/roofline/models.py {spec.name} {theirs} != serving preset {ours}")
     return spec
 
 
@@ -94,7 +95,7 @@ def time_step(eng: Engine, batch: int, context: int, reps: int, budget_s: float)
 
 
 def predicted_parts(r: Roofline, batch: int) -> dict[str, float]:
-    """The calibrated prediction of one decode step split as search/roofline.py adds it up
+    """The calibrated prediction of one decode step split as search/roofline/curve.py adds it up
     (tp=1): ms in the layers' linears, attention, the per-layer overhead (all layers), the
     lm_head, and the step outside the layers beyond the lm_head."""
     m, prof = r.model, r.hardware.decode[r.dtype]

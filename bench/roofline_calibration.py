@@ -1,6 +1,6 @@
 """Does the calibrated roofline predict the built-in model's real decode step?
 
-Calibrates this device (``search.calibrate``, the same code as ``slotune
+Calibrates this device (``search.calibrate.device``, the same code as ``slotune
 calibrate``), then times real decode steps of serving's ``small`` model (random
 weights, KV cache filled so no zero pages hide its traffic) at several batch
 sizes, and prints predicted / measured for the calibrated roofline and for the
@@ -34,12 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from search.calibrate import PLANS, CalibrationPlan, calibrate
-from search.hardware import DecodeProfile, HardwareSpec
-from search.models import ModelSpec
-from search.roofline import Roofline
-from serving.config import ModelConfig
-from serving.model import Transformer
+from search.calibrate.device import calibrate
+from search.calibrate.plan import PLANS, CalibrationPlan
+from search.roofline.curve import Roofline
+from search.roofline.hardware import HardwareSpec
+from search.roofline.models import ModelSpec
+from search.roofline.profile import DecodeProfile
+from serving.model.config import ModelConfig
+from serving.model.transformer import Transformer
 
 SERVING_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 

@@ -9,7 +9,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from controller.sim_target import SimTarget, resolve_scenario
+from controller.sim.scenarios import resolve_scenario
+from controller.sim.target import SimTarget
 from metrics.observation import Observation
 from search.space import Knobs
 

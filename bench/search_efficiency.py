@@ -1,6 +1,6 @@
 """How many trials each search strategy needs to find the operating point.
 
-For every scenario (controller/sim_scenarios.py) and seed, each strategy proposes
+For every scenario (controller/sim/scenarios.py) and seed, each strategy proposes
 knobs, one simulated window is measured per trial (noisy, with the SLO
 verdicts a real deployment gives), and we count the trials until the strategy's
 *incumbent* (what it would deploy: its best feasible point by the noisy
@@ -68,7 +68,7 @@ from bench.search_bench import (
     Bench,
     grid_knobs,
 )
-from controller.sim_target import HELD_OUT_SCENARIOS, SCENARIOS
+from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS
 from search.space import Knobs
 from search.stop_rule import StopRule
 from search.tuner import Tuner

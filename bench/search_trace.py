@@ -29,7 +29,7 @@ import numpy as np
 import optuna
 import torch
 
-from controller.sim_target import HELD_OUT_SCENARIOS, SCENARIOS
+from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS
 from search.space import Knobs
 from search.tuner import Tuner
 

@@ -1,6 +1,6 @@
 """How fast the simulator runs: simulated seconds per second, per search scenario.
 
-For every scenario of bench/search_efficiency.py (controller/sim_scenarios.py) it runs
+For every scenario of bench/search_efficiency.py (controller/sim/scenarios.py) it runs
 the simulator at the knobs a search visits (batch 1, 2, 4, ... up to the search's
 largest, admission limit = batch, plus twice the batch at the roofline seed), with
 the scenario's true step-time function, and reports simulated seconds per second of
@@ -9,11 +9,11 @@ wall-clock time, the slowest knob, and the share of the time spent inside the
 step-time function (controller code, not the simulator's).
 
 Variants, interleaved in one process (the order alternating), all on the same seeds,
-and checked to give identical results: ``runs`` (serving/sim.py with the decode-run
-fast path and the scalar mirror of the step time, controller/sim_decode_run.py: what
+and checked to give identical results: ``runs`` (serving/sim/simulator.py with the decode-run
+fast path and the scalar mirror of the step time, controller/sim/decode_run.py: what
 ``SimTarget.run`` hands it), ``stepwise`` (the mirror, timing every step), ``plain``
 (``SimTarget.step_time`` itself, every step: the truth the others must equal) and,
-with ``--against REF``, serving/, controller/sim_decode_run.py and metrics/samples.py as they
+with ``--against REF``, serving/, controller/sim/decode_run.py and metrics/samples.py as they
 were at git commit REF, the way that commit's ``SimTarget.run`` used them (the baseline the
 speed-ups are relative to). The current variants run the compiled build of the simulator's
 modules when there is one (serving/native.py; the JSON's ``native`` says whether), the
@@ -43,12 +43,13 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.sim_decode_run import DecodeRunStepTime  # noqa: E402
-from controller.sim_target import SCENARIOS, SimTarget  # noqa: E402
+from controller.sim.decode_run import DecodeRunStepTime  # noqa: E402
+from controller.sim.scenarios import SCENARIOS  # noqa: E402
+from controller.sim.target import SimTarget  # noqa: E402
 from search.space import Knobs  # noqa: E402
 from serving import native  # noqa: E402
-from serving import sim as current_sim  # noqa: E402
-from serving.scheduler import StepPlan  # noqa: E402
+from serving.scheduler.plan import StepPlan  # noqa: E402
+from serving.sim import simulator as current_sim  # noqa: E402
 
 REF_MODULES = (
     "scheduler",
@@ -65,12 +66,12 @@ REF_METRICS = ("samples",)  # metrics/<name>.py: the verdicts a window's observa
 
 @dataclass(frozen=True)
 class Reference:
-    sim: ModuleType  # serving/sim.py at the reference
+    sim: ModuleType  # serving/sim/simulator.py at the reference
     runs: type | None  # its DecodeRunStepTime (None: it had none)
 
 
 def load_reference(ref: str) -> Reference:
-    """serving/sim.py (with the serving modules it imports), controller/sim_decode_run.py and
+    """serving/sim/simulator.py (with the serving modules it imports), controller/sim/decode_run.py and
     metrics/samples.py as they were at git ``ref``, imported under a private package name."""
     pkg = f"_sim_ref_{abs(hash(ref)) % 10**8}"
     tmp = Path(tempfile.mkdtemp(prefix="sim_speed_")) / pkg
@@ -271,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         row += " ".join(f"{r[f'speedup_cpu_{lb}']:11.2f}x" for lb in labels[:-1])
         print(row)
     print(
-        "(runs: serving/sim.py with the decode-run fast path and the scalar mirror"
-        " (controller/sim_decode_run.py, SimTarget.run today); stepwise: the mirror timing"
+        "(runs: serving/sim/simulator.py with the decode-run fast path and the scalar mirror"
+        " (controller/sim/decode_run.py, SimTarget.run today); stepwise: the mirror timing"
         " every step; plain: SimTarget.step_time every step; worst knob: the slowest window"
         " of 'runs', wall clock; step_time: share of the stepwise time inside the step-time"
         " function; same: every variant gave identical results;"

@@ -30,11 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller import cli_tune, tune_setup  # noqa: E402
-from controller.loadgen import LengthDist  # noqa: E402
-from controller.report import CurveReport, TrialRecord  # noqa: E402
+from controller import tune_setup  # noqa: E402
+from controller.cli import tune as cli_tune  # noqa: E402
+from controller.load.spec import LengthDist  # noqa: E402
+from controller.progress import Progress  # noqa: E402
+from controller.report.curve import CurveReport  # noqa: E402
+from controller.report.records import TrialRecord  # noqa: E402
 from controller.targets import RayServeTarget, RequestShape, WindowPlan  # noqa: E402
-from controller.tune import Progress, TuneLimits, run_tune  # noqa: E402
+from controller.tune import TuneLimits, run_tune  # noqa: E402
 from metrics.observation import Slo  # noqa: E402
 from search.objective import evaluate  # noqa: E402
 from search.points import summarize  # noqa: E402
@@ -85,7 +88,7 @@ def main() -> None:
             max_slots=slots,
             context=args.prompt_tokens + args.output_tokens // 2,
         )
-        from serving.deploy import deploy_app
+        from serving.app.deploy import deploy_app
 
         first = searched["seeds"][0]
         deploy_app(

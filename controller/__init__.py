@@ -2,4 +2,4 @@
 
 from serving.native import guard as _guard
 
-_guard()  # controller/sim_decode_run.py is one of the compiled modules
+_guard()  # controller/sim/decode_run.py is one of the compiled modules

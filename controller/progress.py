@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from controller.report import TrialRecord
+from controller.report.records import TrialRecord
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the canary loop tunes: a :class:`Target` applies knobs and measures one window.
 
-:class:`RayServeTarget` is a live Ray Serve deployment of ``serving.app:app``:
-knobs are applied in place (``serving.deploy.update_knobs``: ``user_config``
+:class:`RayServeTarget` is a live Ray Serve deployment of ``serving.app.server:app``:
+knobs are applied in place (``serving.app.deploy.update_knobs``: ``user_config``
 and ``max_ongoing_requests``, no replica restart), the load generator offers a
 saturating closed loop at the candidate's admission limit, and the window's
 :class:`~metrics.observation.Observation` is read from Prometheus-format metrics
@@ -10,7 +10,7 @@ load generator's own view of the same window rides along as a cross-check.
 The window readers live in ``controller/windows.py``, the failure types in
 ``controller/target_errors.py``; both are importable from here.
 
-The simulator target (``controller/sim_target.py``) implements the same protocol.
+The simulator target (``controller/sim/target.py``) implements the same protocol.
 """
 
 from __future__ import annotations
@@ -22,35 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from controller.loadgen import (
-    LengthDist,
-    LoadResult,
-    RequestRecord,
-    TraceItem,
-    client_observation,
-    completions_url,
-    run_load,
-    saturating_spec,
-)
-from controller.target_errors import TargetError, TargetUnavailable
-from controller.windows import PromQLWindow, ScrapeWindow, WindowReader
+from controller.load.generator import run_load
+from controller.load.result import LoadResult, RequestRecord, client_observation
+from controller.load.spec import LengthDist, TraceItem, completions_url, saturating_spec
+from controller.target_errors import TargetError
+from controller.windows import WindowReader
 from metrics.observation import Observation, Slo
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "Measurement",
-    "PromQLWindow",
-    "RayServeTarget",
-    "RequestShape",
-    "ScrapeWindow",
-    "Target",
-    "TargetError",
-    "TargetUnavailable",
-    "WindowPlan",
-    "WindowReader",
-    "measure_window",
-]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,7 +169,7 @@ async def _sleep_unless(task: asyncio.Task[Any], seconds: float) -> None:
 
 
 class RayServeTarget:
-    """A live deployment of ``serving.app:app`` on a Ray cluster this process is attached to."""
+    """A live deployment of ``serving.app.server:app`` on a Ray cluster this process is attached to."""
 
     def __init__(
         self,
@@ -215,7 +194,7 @@ class RayServeTarget:
 
     def current_knobs(self) -> Any | None:
         from search.space import Knobs
-        from serving.deploy import replica_states
+        from serving.app.deploy import replica_states
 
         try:
             states = replica_states(self.app_name)
@@ -231,7 +210,8 @@ class RayServeTarget:
             return None
 
     def apply(self, knobs: Any) -> None:
-        from serving.deploy import DeployError, update_knobs
+        from serving.app.deploy import update_knobs
+        from serving.app.replicas import DeployError
 
         try:
             update_knobs(

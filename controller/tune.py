@@ -2,7 +2,7 @@
 
 :func:`run_tune` owns the loop; the tuner (``search.tuner.Tuner``) owns what to try
 next and when the best point is stable; the target applies and measures. Per trial
-it records a :class:`~controller.report.TrialRecord` (server-side Observation plus
+it records a :class:`~controller.report.curve.TrialRecord` (server-side Observation plus
 the load generator's cross-check), appends it to ``trials.jsonl`` and stores it in
 the study, so ``slotune export`` rebuilds the report from the study alone.
 
@@ -26,21 +26,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from controller.progress import Progress, RichProgress
-from controller.report import CurveReport, TrialRecord, write_report
-from controller.targets import Measurement, TargetError, TargetUnavailable
+from controller.progress import Progress
+from controller.report.curve import CurveReport, write_report
+from controller.report.records import TrialRecord
+from controller.target_errors import TargetError, TargetUnavailable
+from controller.targets import Measurement
 from metrics.observation import Observation
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Progress",
-    "RichProgress",
-    "TuneLimits",
-    "TuneOutcome",
-    "report_from_study",
-    "run_tune",
-]
 
 STUDY_META_KEY = "slotune.report"
 STUDY_TRIAL_PREFIX = "slotune.trial."

@@ -53,7 +53,7 @@ def cached_threads(path: Path, version: int | None = None) -> int | None:
 
 
 def calibrate_at(calib: Any, *, device: str, threads: int) -> Any:
-    """``search.calibrate.calibrate`` with ``threads`` torch threads: through its
+    """``search.calibrate.device.calibrate`` with ``threads`` torch threads: through its
     ``threads`` keyword where it has one, else by setting torch's thread count around it."""
     import torch
 
@@ -73,8 +73,8 @@ def hardware_spec(device: str, *, quiet: bool, threads: int | None = None) -> tu
     this process's), measured once and cached."""
     import torch
 
-    from search import calibrate as calib
-    from search.hardware import HardwareSpec
+    from search.calibrate import device as calib
+    from search.roofline.hardware import HardwareSpec
 
     dev = calib.pick_device(device)
     threads = int(threads or torch.get_num_threads())
@@ -102,9 +102,10 @@ def plan_search(
     *, model: str, hardware: Any, slo: Any, price: float | None, max_slots: int, context: int
 ) -> dict[str, Any]:
     """The roofline's prediction, the search box it bounds and the seed knobs."""
-    from controller.report import PredictedPoint
-    from search.models import resolve_model
-    from search.roofline import Roofline, analyze
+    from controller.report.records import PredictedPoint
+    from search.roofline.curve import Roofline
+    from search.roofline.models import resolve_model
+    from search.roofline.operating_point import analyze
     from search.space import Knobs, SearchSpace
 
     roof = Roofline(

@@ -40,7 +40,7 @@ class Setup:
 
 def start_local_ray() -> tuple[int, int]:
     """Ray + Serve on this machine, loopback only; returns (metrics port, HTTP port)."""
-    from serving.deploy import start_local_ray as start
+    from serving.app.deploy import start_local_ray as start
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     metrics_port, http_port = _free_port(), _free_port()
@@ -55,7 +55,7 @@ def attach_ray(address: str | None) -> None:
         _check_reachable(address)
     if ray.is_initialized():
         return
-    from serving.deploy import ray_env_defaults
+    from serving.app.deploy import ray_env_defaults
 
     ray_env_defaults()
     try:
@@ -103,7 +103,7 @@ def serve_url(app: str) -> str:
 def check_deployment(app: str, deployment: str | None) -> None:
     from ray import serve
 
-    from serving.app import DEPLOYMENT_NAME
+    from serving.app.config import DEPLOYMENT_NAME
 
     apps = serve.status().applications
     if app not in apps:
@@ -114,7 +114,7 @@ def check_deployment(app: str, deployment: str | None) -> None:
         raise BadInput(f"--deployment {name}: not in app {app!r} (it has {sorted(deps)})")
     if name != DEPLOYMENT_NAME:
         raise BadInput(
-            f"--deployment {name}: slotune turns the batch limit of serving.app:app "
+            f"--deployment {name}: slotune turns the batch limit of serving.app.server:app "
             f"deployments ({DEPLOYMENT_NAME}) live; this one has no such knob"
         )
 
@@ -136,7 +136,7 @@ def ray_metrics_url() -> str:
 def make_reader(
     *, slo: Any, app: str, metrics_url: str | None, prometheus_url: str | None, prefix: str
 ) -> tuple[Any, str]:
-    from controller.targets import PromQLWindow, ScrapeWindow
+    from controller.windows import PromQLWindow, ScrapeWindow
     from metrics.sources import PromQLSource, ScrapeSource
 
     sel = {"application": app}
@@ -161,7 +161,7 @@ def replica_threads(app: str) -> tuple[int, str]:
     app argument, as Serve reports the deployed config), and where that came from."""
     from ray.serve.context import _get_global_client
 
-    from serving.app import ServerArgs
+    from serving.app.config import ServerArgs
 
     default = ServerArgs(model="tiny").torch_threads
     try:
@@ -173,7 +173,7 @@ def replica_threads(app: str) -> tuple[int, str]:
             return int(args["torch_threads"]), f"app {app!r} args"
     except Exception as e:  # an informational read: fall back to the app's default
         log.warning("could not read the torch_threads of app %r: %s", app, e)
-    return default, f"serving.app default (app {app!r} does not say)"
+    return default, f"serving.app.server default (app {app!r} does not say)"
 
 
 class SetupFailed(RuntimeError):
@@ -193,7 +193,8 @@ def prepare(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
     """Start or attach, deploy if needed, calibrate at the replica's thread count, and plan
     the search. Keywords: address, app_name, deployment, url, metrics_url, prometheus_url,
     prefix, slo, model, slots, price, shape, quiet."""
-    from serving.deploy import DeployError, deploy_app
+    from serving.app.deploy import deploy_app
+    from serving.app.replicas import DeployError
 
     app = kw["app_name"]
     slo = kw["slo"]

@@ -166,7 +166,7 @@ def _quote(value: str) -> str:
 
 def _transient(fn: Any) -> Any:
     """Call ``fn``; a ``MetricsUnavailable`` (or a connection error) becomes TargetUnavailable."""
-    from metrics.sources import MetricsUnavailable
+    from metrics.errors import MetricsUnavailable
 
     try:
         return fn()

@@ -11,13 +11,6 @@ from metrics.observation import Observation, Percentiles, Slo
 from metrics.quantile import histogram_quantile
 from metrics.samples import exact_quantile, verdict_from_histogram, verdict_from_samples
 
-__all__ = [
-    "observation_from_histograms",
-    "observation_from_requests",
-    "percentiles_from_histogram",
-    "percentiles_from_samples",
-]
-
 
 def percentiles_from_histogram(buckets: Mapping[float, float]) -> Percentiles:
     return Percentiles(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["MalformedExposition", "MetricsError", "MetricsUnavailable", "QueryRejected"]
-
 
 class MetricsError(Exception):
     """Base of every metric-source failure."""

@@ -19,8 +19,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from metrics import names
 from metrics.observation import Observation, SloVerdict, Verdict
 
-__all__ = ["ControllerExporter"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -11,13 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 
-__all__ = [
-    "bucket_quantile",
-    "bucket_increase",
-    "counter_increase",
-    "histogram_quantile",
-]
-
 
 def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float:
     """The ``q``-quantile of cumulative bucket counts keyed by upper bound (``math.inf`` for +Inf).

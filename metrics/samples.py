@@ -12,7 +12,7 @@ The same test on counts works for histograms whose bounds contain T exactly (the
 ``slo_buckets`` inserts the thresholds), and it is equivalent to comparing T with the
 order-statistic confidence bound of the quantile (:func:`quantile_upper_bound`).
 
-Speed: a verdict on counts is a fixed cost of every simulated window (serving/sim.py), and
+Speed: a verdict on counts is a fixed cost of every simulated window (serving/sim/simulator.py), and
 ``scipy.stats``' distribution objects spend ~100 µs per scalar call checking and
 broadcasting their arguments. The scalar helpers below (:func:`_binom_cdf`,
 :func:`_binom_sf`, :func:`_beta_ppf`) call the same scipy.special functions those objects
@@ -36,16 +36,6 @@ except ImportError:  # a scipy that moved them: the public (slower) calls, the s
     _uf_beta_ppf = _uf_binom_cdf = _uf_binom_sf = None
 
 from metrics.observation import SloVerdict, Verdict
-
-__all__ = [
-    "exact_quantile",
-    "exceed_fraction_bounds",
-    "quantile_lower_bound",
-    "quantile_upper_bound",
-    "verdict_from_counts",
-    "verdict_from_histogram",
-    "verdict_from_samples",
-]
 
 
 def _check(q: float, confidence: float) -> None:

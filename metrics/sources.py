@@ -19,19 +19,9 @@ import httpx
 
 from metrics import names
 from metrics.build import observation_from_histograms
-from metrics.errors import MalformedExposition, MetricsError, MetricsUnavailable, QueryRejected
+from metrics.errors import MalformedExposition, MetricsUnavailable, QueryRejected
 from metrics.observation import Observation, Slo
 from metrics.snapshot import Snapshot, bucket_window, counter_window, parse_exposition
-
-__all__ = [
-    "MalformedExposition",
-    "MetricsError",
-    "MetricsUnavailable",
-    "PromQLSource",
-    "QueryRejected",
-    "ScrapeSource",
-    "Snapshot",
-]
 
 logger = logging.getLogger(__name__)
 

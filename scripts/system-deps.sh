@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System packages some tests need: a real Prometheus server (Debian's package
 # brings promtool too), headless Chromium for the HTML report test, and a C compiler
-# for serving/cpu_kernels.c (without one the engine keeps its torch path and the
+# for serving/kernels/cpu_kernels.c (without one the engine keeps its torch path and the
 # kernel tests skip).
 # Installed only when missing and only as root; otherwise those tests skip
 # with a message that names the missing program.

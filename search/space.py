@@ -199,7 +199,7 @@ class SearchSpace:
     def from_roofline(
         cls, roofline: _RooflineLike, slo: Slo, *, headroom_max: float = 4.0
     ) -> SearchSpace:
-        """:meth:`bounded` with a ``search.roofline.Roofline``."""
+        """:meth:`bounded` with a ``search.roofline.curve.Roofline``."""
         return cls.bounded(
             step_time_s=lambda b: roofline.step_time_s(b),
             max_batch_memory=int(roofline.max_batch_memory),

@@ -1,19 +1,12 @@
-"""The simulator's hot modules, compiled to C by mypyc when the package is built.
+"""Use the mypyc-compiled modules only while they match their sources.
 
-The simulator spends its time in the scheduler's book-keeping and its own event loop:
-Python-level work per step and per request, with no single hot spot. ``setup.py`` compiles
-the modules in :data:`COMPILED` from these same sources with mypyc (pyproject's build
-requirements bring it), so the engine and the simulator run the same scheduler code either
-way and get the same results bit for bit (tests/serving/test_native.py). Anything that
-stops the build (no C compiler, a type error mypyc refuses) leaves the pure-Python
-package, with a warning at build time.
-
-A compiled module is used only while it matches its source: the build records each
-source's SHA-256 (:data:`RECORD`, next to the built files) and :func:`guard`, called when
-``serving`` or ``controller`` is first imported, makes Python import the ``.py`` sources
-of all of them when any source has changed since, or when ``SLOTUNE_PURE_PYTHON=1``. (The
-compiled modules share one native library, so it is all or none.) ``make venv`` rebuilds
-after an edit; :func:`status` says which is in use.
+``setup.py`` owns the list of modules it compiles (``COMPILED``) and records each
+source's SHA-256 in :data:`RECORD` once the whole build is there. :func:`guard` runs when
+``serving`` or ``controller`` is first imported: it finds the compiled modules by their
+extension files beside their sources, and makes Python import the ``.py`` sources of all
+of them when any recorded source has changed, the record is missing or does not match
+what is built, or ``SLOTUNE_PURE_PYTHON=1``. The compiled modules share one native
+library, so it is all or none. :func:`status` says which is in use.
 
 This module is plain Python, never compiled; ``setup.py`` reads it by path.
 """
@@ -28,22 +21,15 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-# Source paths relative to the project root; the module names follow from them.
-COMPILED = (
-    "serving/seq_state.py",
-    "serving/sched_state.py",
-    "serving/scheduler.py",
-    "serving/sim.py",
-    "controller/sim_decode_run.py",
-)
 RECORD = "serving/_native.json"  # {"sources": {path: sha256}} of the compiled build
 PURE_ENV = "SLOTUNE_PURE_PYTHON"  # "1": use the sources (at build time: compile nothing)
+PACKAGES = ("serving", "controller")  # where compiled modules may sit
 ROOT = Path(__file__).resolve().parent.parent
 
 _status: dict[str, object] | None = None
@@ -53,39 +39,41 @@ def module_name(path: str) -> str:
     return path[: -len(".py")].replace("/", ".")
 
 
-def source_hashes(root: Path = ROOT) -> dict[str, str]:
-    """SHA-256 of each compiled module's source, by its path relative to ``root``."""
-    return {p: hashlib.sha256((root / p).read_bytes()).hexdigest() for p in COMPILED}
+def source_hashes(paths: Iterable[str], root: Path = ROOT) -> dict[str, str]:
+    """SHA-256 of each source, by its path relative to ``root``."""
+    return {p: hashlib.sha256((root / p).read_bytes()).hexdigest() for p in paths}
 
 
-def _built(root: Path) -> list[str]:
-    """The compiled modules that have an extension file next to their source."""
-    suffixes = importlib.machinery.EXTENSION_SUFFIXES
-    out = []
-    for p in COMPILED:
-        src = root / p
-        stem = src.name[: -len(".py")]
-        if any((src.parent / (stem + s)).exists() for s in suffixes):
-            out.append(p)
-    return out
+def built(root: Path = ROOT) -> list[str]:
+    """Source paths (relative to ``root``) that have an extension module beside them."""
+    out = set()
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for pkg in PACKAGES:
+            for ext in (root / pkg).rglob("*" + suffix):
+                src = ext.with_name(ext.name[: -len(suffix)] + ".py")
+                if src.exists():
+                    out.add(src.relative_to(root).as_posix())
+    return sorted(out)
 
 
 def decide(root: Path = ROOT, environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
     """(use the compiled modules?, why) for the package at ``root``."""
-    built = _built(root)
-    if not built:
+    have = built(root)
+    if not have:
         return False, "not compiled (pure-Python build)"
     if environ.get(PURE_ENV) == "1":
         return False, f"{PURE_ENV}=1"
-    if len(built) != len(COMPILED):
-        missing = sorted(set(COMPILED) - set(built))
-        return False, f"incomplete build (no extension for {', '.join(missing)})"
-    record = root / RECORD
     try:
-        recorded = json.loads(record.read_text())["sources"]
+        recorded = json.loads((root / RECORD).read_text())["sources"]
     except (OSError, ValueError, KeyError, TypeError):
         return False, f"no build record {RECORD}"
-    stale = [p for p, h in source_hashes(root).items() if recorded.get(p) != h]
+    missing = sorted(set(recorded) - set(have))
+    if missing:
+        return False, f"incomplete build (no extension for {', '.join(missing)})"
+    unrecorded = sorted(set(have) - set(recorded))
+    if unrecorded:
+        return False, f"extensions the build record does not list ({', '.join(unrecorded)})"
+    stale = [p for p, h in source_hashes(recorded, root).items() if recorded[p] != h]
     if stale:
         return False, f"sources changed since the build ({', '.join(stale)}): run `make venv`"
     return True, "compiled (mypyc)"
@@ -94,8 +82,8 @@ def decide(root: Path = ROOT, environ: Mapping[str, str] = os.environ) -> tuple[
 class _SourceFinder(importlib.abc.MetaPathFinder):
     """Imports the named modules from their ``.py`` files, ahead of any extension."""
 
-    def __init__(self, root: Path) -> None:
-        self.paths = {module_name(p): root / p for p in COMPILED}
+    def __init__(self, root: Path, paths: Iterable[str]) -> None:
+        self.paths = {module_name(p): root / p for p in paths}
 
     def find_spec(
         self, fullname: str, path: object = None, target: ModuleType | None = None
@@ -108,13 +96,14 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
 
 def guard() -> dict[str, object]:
     """Decide once per process whether the compiled modules may be imported; if not, make
-    the sources imported instead (with a warning when a build exists but is stale)."""
+    the sources imported instead (with a warning when a build exists but is not used)."""
     global _status
     if _status is None:
         use, why = decide()
         if not use:  # (runs when serving is imported: before any module it swaps)
-            sys.meta_path.insert(0, _SourceFinder(ROOT))
-            if _built(ROOT) and os.environ.get(PURE_ENV) != "1":
+            have = built(ROOT)
+            sys.meta_path.insert(0, _SourceFinder(ROOT, have))
+            if have and os.environ.get(PURE_ENV) != "1":
                 logger.warning(
                     "simulator: using the Python sources, not the compiled build: %s", why
                 )

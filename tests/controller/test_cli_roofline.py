@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
-from search.hardware import CATALOG as HW
+from controller.cli.main import main
+from search.roofline.hardware import CATALOG as HW
 
 ROOT = Path(__file__).resolve().parents[2]
 ISSUE_ARGS = [

@@ -12,12 +12,12 @@ def _serve(argv: list[str], capsys, monkeypatch) -> tuple[int, str, dict]:
     import ray
     from ray import serve as ray_serve
 
-    import serving.deploy
-    from controller.cli import main
+    import serving.app.deploy
+    from controller.cli.main import main
 
     seen: dict = {}
-    monkeypatch.setattr(serving.deploy, "start_local_ray", lambda **kw: seen.update(start=kw))
-    monkeypatch.setattr(serving.deploy, "deploy_app", lambda **kw: seen.update(deploy=kw))
+    monkeypatch.setattr(serving.app.deploy, "start_local_ray", lambda **kw: seen.update(start=kw))
+    monkeypatch.setattr(serving.app.deploy, "deploy_app", lambda **kw: seen.update(deploy=kw))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray_serve, "shutdown", lambda: None)
     with pytest.raises(SystemExit) as e:
@@ -62,7 +62,7 @@ def test_bad_slo_flags_exit_2_before_anything_starts(
 
 
 def test_serve_help_shows_only_the_ms_flags(capsys) -> None:
-    from controller.cli import main
+    from controller.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -74,7 +74,7 @@ def test_serve_help_shows_only_the_ms_flags(capsys) -> None:
 def test_streaming_pace_defaults_to_the_replicas_and_flags_reach_the_app(
     capsys, monkeypatch
 ) -> None:
-    from serving.server_config import ServerArgs
+    from serving.app.config import ServerArgs
 
     code, err, seen = _serve([], capsys, monkeypatch)
     assert code == 0, err

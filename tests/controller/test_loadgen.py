@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from controller.loadgen import (
+from controller.load.generator import run_load
+from controller.load.spec import (
     LengthDist,
     LoadSpec,
     TraceItem,
     completions_url,
     load_trace,
-    run_load,
     saturating_spec,
     synth_prompt,
 )
@@ -324,7 +324,7 @@ def test_stop_event_ends_the_run_and_on_record_sees_each_request() -> None:
 
 
 def test_client_observation_from_records() -> None:
-    from controller.loadgen import LoadResult, RequestRecord, client_observation
+    from controller.load.result import LoadResult, RequestRecord, client_observation
     from metrics.observation import Slo, Verdict
 
     recs = []

@@ -15,14 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.report import (
-    CurveReport,
-    PredictedPoint,
-    TrialRecord,
-    usd_per_million_tokens,
-    write_report,
-)
-from controller.report_html import plot_png
+from controller.report.cost import usd_per_million_tokens
+from controller.report.curve import CurveReport, write_report
+from controller.report.html import plot_png
+from controller.report.records import PredictedPoint, TrialRecord
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)

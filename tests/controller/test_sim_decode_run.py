@@ -8,11 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller.sim_decode_run import DecodeRunStepTime, decode_only_plan
-from controller.sim_target import SCENARIOS, Efficiency, SimTarget
-from search.decode_profile import DecodeProfile
+from controller.sim.decode_run import DecodeRunStepTime, decode_only_plan
+from controller.sim.scenarios import SCENARIOS, Efficiency
+from controller.sim.target import SimTarget
+from search.roofline.profile import DecodeProfile
 from search.space import Knobs
-from serving.sim import simulate
+from serving.sim.simulator import simulate
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

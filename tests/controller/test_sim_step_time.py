@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from controller.sim_decode_run import DecodeRunStepTime, plan_of
-from controller.sim_target import SCENARIOS, Efficiency, SimTarget
+from controller.sim.decode_run import DecodeRunStepTime, plan_of
+from controller.sim.scenarios import SCENARIOS, Efficiency
+from controller.sim.target import SimTarget
 
 
 def _random_plans(target: SimTarget, n: int, seed: int):

@@ -10,22 +10,22 @@ import optuna
 import pytest
 from typer.testing import CliRunner
 
-from controller.cli import app, main
-from controller.sim_target import (
+from controller.cli.main import app, main
+from controller.sim.scenarios import (
     HELD_OUT_SCENARIOS,
     SCENARIOS,
     VM_EPYC_CPU,
     Efficiency,
     Scenario,
-    SimTarget,
     resolve_scenario,
 )
+from controller.sim.target import SimTarget
 from metrics.observation import Slo
 from search.space import Knobs
 from search.stop_rule import StopRule
 from search.tuner import Tuner
-from serving.scheduler import DecodeEntry, StepPlan
-from serving.workload import LengthDist, Workload
+from serving.scheduler.plan import DecodeEntry, StepPlan
+from serving.sim.workload import LengthDist, Workload
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

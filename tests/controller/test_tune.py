@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from controller.report import CurveReport, PredictedPoint
-from controller.targets import Measurement, TargetError, TargetUnavailable
-from controller.tune import Progress, TuneLimits, report_from_study, run_tune
+from controller.progress import Progress
+from controller.report.curve import CurveReport
+from controller.report.records import PredictedPoint
+from controller.target_errors import TargetError, TargetUnavailable
+from controller.targets import Measurement
+from controller.tune import TuneLimits, report_from_study, run_tune
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
 from search.space import Knobs, SearchSpace
 from search.tuner import Tuner
@@ -282,8 +285,10 @@ def test_progress_hooks_are_called(tmp_path: Path) -> None:
 
 
 def test_runs_the_simulator_target_unchanged(tmp_path: Path) -> None:
-    sim_target = pytest.importorskip("controller.sim_target")
-    t = sim_target.SimTarget(sim_target.resolve_scenario("cpu-small"), seed=1)
+    from controller.sim.scenarios import resolve_scenario
+    from controller.sim.target import SimTarget
+
+    t = SimTarget(resolve_scenario("cpu-small"), seed=1)
     tuner = Tuner(
         space=t.space,
         slo=t.scenario.slo,
@@ -304,7 +309,7 @@ def test_runs_the_simulator_target_unchanged(tmp_path: Path) -> None:
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    from controller.cli import main
+    from controller.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -379,7 +384,7 @@ def test_measure_window_warms_up_then_measures_until_enough_requests() -> None:
     import asyncio
     import time
 
-    from controller.loadgen import LengthDist
+    from controller.load.spec import LengthDist
     from controller.targets import RequestShape, WindowPlan, measure_window
     from tests.controller.test_loadgen import FakeOpenAI, serving
 
@@ -442,7 +447,7 @@ def test_measure_window_stops_the_load_when_the_metrics_fail() -> None:
 
 
 def test_scrape_window_turns_an_unreachable_endpoint_into_a_transient_error() -> None:
-    from controller.targets import ScrapeWindow
+    from controller.windows import ScrapeWindow
     from metrics.sources import ScrapeSource
     from tests.fixtures.ray_cluster import free_port
 
@@ -480,7 +485,7 @@ class _PromSrc:
 
 
 def _prom_window(src: _PromSrc, clock: Clock, **kw):
-    from controller.targets import PromQLWindow
+    from controller.windows import PromQLWindow
 
     def sleep(s: float) -> None:
         clock.t += s
@@ -566,8 +571,9 @@ def test_cli_export_with_a_price_adds_the_cost_and_says_where_it_came_from(
 
 
 def test_windows_are_lengthened_to_span_enough_scrapes(capsys) -> None:
-    from controller.cli_tune import _fit_to_scrapes
-    from controller.targets import PromQLWindow, ScrapeWindow, WindowPlan
+    from controller.cli.tune import _fit_to_scrapes
+    from controller.targets import WindowPlan
+    from controller.windows import PromQLWindow, ScrapeWindow
 
     class Every5s(PromQLWindow):
         def scrape_interval_s(self) -> float:
@@ -587,7 +593,7 @@ def test_windows_are_lengthened_to_span_enough_scrapes(capsys) -> None:
 def test_the_summary_says_the_cost_or_how_to_get_it(tmp_path: Path, capsys) -> None:
     from dataclasses import replace
 
-    from controller.cli_tune import _finish
+    from controller.cli.tune import _finish
 
     out = run(tmp_path, FakeTarget())
     _finish(out, tmp_path, quiet=True)  # base() has $1/h

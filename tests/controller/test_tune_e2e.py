@@ -17,7 +17,7 @@ SLO_ARGS = ["--slo-ttft-ms", "3000", "--slo-tpot-ms", "250"]
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    from controller.cli import main
+    from controller.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -28,7 +28,7 @@ def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def tiny_app(ray_cluster):
     from metrics.observation import Slo
-    from serving.deploy import delete_app, deploy_app
+    from serving.app.deploy import delete_app, deploy_app
 
     deploy_app(
         model="tiny",
@@ -47,7 +47,7 @@ def tiny_app(ray_cluster):
 
 
 def _states():
-    from serving.deploy import replica_states
+    from serving.app.deploy import replica_states
 
     return replica_states(APP)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from controller import tune_plan
-from controller.cost import catalog_price, cost_sentence, usd_per_million_tokens
-from search.hardware import CATALOG
+from controller.report.cost import catalog_price, cost_sentence, usd_per_million_tokens
+from search.roofline.hardware import CATALOG
 
 # --- cost -------------------------------------------------------------------------------
 
@@ -30,7 +30,9 @@ from search.hardware import CATALOG
 def test_catalogued_gpus_get_the_catalog_price_with_its_source(name: str, key: str) -> None:
     price, source = catalog_price(name)
     assert price == CATALOG[key].usd_per_hour and price > 0
-    assert key in source and "search/hardware.py" in source and "--price-per-hour" in source
+    assert (
+        key in source and "search/roofline/hardware.py" in source and "--price-per-hour" in source
+    )
 
 
 @pytest.mark.parametrize(
@@ -58,7 +60,7 @@ def test_cost_sentence_with_a_price_states_it_and_its_source() -> None:
 
 class FakeCal:
     def __init__(self, threads: int, elapsed: float = 1.0) -> None:
-        from search.calibrate import CALIBRATION_VERSION
+        from search.calibrate.device import CALIBRATION_VERSION
 
         self.measured = {"threads": threads, "version": CALIBRATION_VERSION}
         self.elapsed_s = elapsed
@@ -106,18 +108,18 @@ def test_calibration_runs_at_the_given_threads_and_restores_torch(
 
 
 def test_a_cached_calibration_at_other_threads_is_not_used(tmp_path: Path, monkeypatch) -> None:
-    import search.calibrate
-    import search.hardware
+    import search.calibrate.device
+    import search.roofline.hardware
 
     calib = fake_calib(tmp_path, with_threads_kw=False)
     for k in ("PLANS", "calibrate", "default_cache_path", "pick_device"):
-        monkeypatch.setattr(search.calibrate, k, getattr(calib, k))
+        monkeypatch.setattr(search.calibrate.device, k, getattr(calib, k))
     monkeypatch.setattr(
-        search.hardware.HardwareSpec,
+        search.roofline.hardware.HardwareSpec,
         "from_json",
         classmethod(lambda cls, p: json.loads(Path(p).read_text())["name"]),
     )
-    version = search.calibrate.CALIBRATION_VERSION
+    version = search.calibrate.device.CALIBRATION_VERSION
     cache = tmp_path / "hardware-host-cpu.json"
     # a cache of an older calibration method, at the same threads: measured again
     cache.write_text(json.dumps({"name": "old-2t", "measured": {"threads": 2}}))
@@ -137,7 +139,7 @@ def test_a_cached_calibration_at_other_threads_is_not_used(tmp_path: Path, monke
 def test_the_cache_of_search_calibrate_is_named_by_thread_count() -> None:
     import torch
 
-    from search import calibrate
+    from search.calibrate import device as calibrate
 
     paths = tune_plan.cache_paths(calibrate, torch.device("cpu"), 1)
     assert paths == [calibrate.default_cache_path(torch.device("cpu"), threads=1)]
@@ -149,7 +151,7 @@ def test_tune_price_comes_from_the_flag_else_the_catalog_for_the_builtin_gpu_run
 ) -> None:
     import torch
 
-    from controller import cli_tune
+    from controller.cli import tune as cli_tune
 
     assert cli_tune._price(1.25, embedded=True) == (1.25, "--price-per-hour")
     monkeypatch.setattr(cli_tune, "local_device", lambda: "cpu")

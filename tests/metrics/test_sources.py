@@ -10,15 +10,10 @@ import pytest
 
 from metrics import names
 from metrics.build import observation_from_requests
+from metrics.errors import MalformedExposition, MetricsUnavailable, QueryRejected
 from metrics.observation import Slo, Verdict
-from metrics.sources import (
-    MalformedExposition,
-    MetricsUnavailable,
-    PromQLSource,
-    QueryRejected,
-    ScrapeSource,
-    Snapshot,
-)
+from metrics.snapshot import Snapshot
+from metrics.sources import PromQLSource, ScrapeSource
 from tests.fixtures.prometheus_server import TextEndpoint, free_port
 from tests.metrics.emit import Emitter, latencies
 

@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from search.calibrate import (
-    PLANS,
-    CalibrationPlan,
-    _layer_bytes,
-    calibrate,
-    default_cache_path,
-    measure_bandwidth,
-    monotone_rates,
-    pick_device,
-)
-from search.decode_shapes import measure_kv_rate
-from search.hardware import resolve_hardware
-from search.models import ModelSpec
-from search.roofline import Roofline
+from search.calibrate.device import calibrate, default_cache_path, measure_bandwidth, pick_device
+from search.calibrate.plan import PLANS, CalibrationPlan
+from search.calibrate.profile import _layer_bytes, monotone_rates
+from search.calibrate.shapes import measure_kv_rate
+from search.roofline.curve import Roofline
+from search.roofline.hardware import resolve_hardware
+from search.roofline.models import ModelSpec
 
 TINY = ModelSpec.from_name("slotune-tiny")
 
@@ -217,7 +210,7 @@ def test_quick_calibration_on_cuda() -> None:
 
 
 def test_big_models_are_timed_on_the_layers_that_fit() -> None:
-    from search.decode_shapes import MAX_WORKING_SET_BYTES, _linear_shapes
+    from search.calibrate.shapes import MAX_WORKING_SET_BYTES, _linear_shapes
 
     spec = ModelSpec.from_name("slotune-small")
     small = _linear_shapes(spec)
@@ -230,7 +223,7 @@ def test_big_models_are_timed_on_the_layers_that_fit() -> None:
 
 
 def test_weight_rate_times_prepacked_and_plain_linears() -> None:
-    from search.decode_shapes import can_prepack, measure_weight_rate
+    from search.calibrate.shapes import can_prepack, measure_weight_rate
 
     dev = torch.device("cpu")
     plain = measure_weight_rate(dev, "bf16", TINY, [1, 4], reps=2, prepacked=False)
@@ -243,7 +236,7 @@ def test_weight_rate_times_prepacked_and_plain_linears() -> None:
 
 
 def test_layer_in_stream_times_the_whole_layer_and_its_parts() -> None:
-    from search.decode_layer import layer_residual, measure_layer_in_stream
+    from search.calibrate.layer import layer_residual, measure_layer_in_stream
 
     got = measure_layer_in_stream(torch.device("cpu"), "bf16", TINY, [1, 4], 32, reps=2)
     assert set(got) == {1, 4}
@@ -257,7 +250,7 @@ def test_layer_in_stream_times_the_whole_layer_and_its_parts() -> None:
 def test_bf16_matmul_peak_multiplies_as_the_engine_does(monkeypatch, widen: bool) -> None:
     """Without bf16 matmul hardware the engine multiplies bf16 in fp32 (widened copies):
     the calibrated peak times that, not torch's slow bf16 fallback."""
-    import search.calibrate as cal
+    import search.calibrate.device as cal
 
     seen = []
     monkeypatch.setattr(cal, "widens_bf16", lambda t: widen)

@@ -7,17 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from search.hardware import (
+from search.roofline.hardware import (
     CATALOG as HW,
 )
-from search.hardware import (
-    HARDWARE_NAMES,
-    DecodeProfile,
-    HardwareSpec,
-    resolve_hardware,
-)
-from search.models import CATALOG as MODELS
-from search.models import MODEL_NAMES, ModelSpec, resolve_model
+from search.roofline.hardware import HARDWARE_NAMES, HardwareSpec, resolve_hardware
+from search.roofline.models import CATALOG as MODELS
+from search.roofline.models import MODEL_NAMES, ModelSpec, resolve_model
+from search.roofline.profile import DecodeProfile
 
 
 def test_catalog_names_are_the_issues() -> None:
@@ -157,7 +153,7 @@ def test_decode_profile_interpolates_log_log() -> None:
     ("preset", "catalog"), [("tiny", "slotune-tiny"), ("small", "slotune-small")]
 )
 def test_builtin_models_equal_the_serving_presets(preset: str, catalog: str) -> None:
-    config = pytest.importorskip("serving.config")
+    config = pytest.importorskip("serving.model.config")
     cfg = config.ModelConfig.from_name(preset)
     m = ModelSpec.from_name(catalog)
     assert (

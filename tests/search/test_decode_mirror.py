@@ -1,6 +1,6 @@
 """The calibration's mirror of decode attention computes grouped-query attention.
 
-search/decode_shapes.py times :func:`decode_attention` as the serving model's decode
+search/calibrate/shapes.py times :func:`decode_attention` as the serving model's decode
 attention; this checks it against an independent fp32 reference (repeat_kv + softmax)
 on the serving cache layout ``[2, B, Hkv, L, D]``, with positions beyond each
 query's own masked out.
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from search.decode_shapes import decode_attention
+from search.calibrate.shapes import decode_attention
 
 
 def test_decode_attention_matches_a_reference() -> None:

@@ -1,6 +1,6 @@
 """The calibration's timing model is the serving model at the reference model's shapes.
 
-search/decode_step.py times the engine's own code (layers, host work, head, sampling)
+search/calibrate/step.py times the engine's own code (layers, host work, head, sampling)
 on a serving ``Transformer`` built from a ``ModelSpec``. No timing assertions: the
 figures vary with the machine and its load; these check the shapes, the wiring and
 that every figure is measured.
@@ -12,17 +12,17 @@ import math
 
 import torch
 
-from search.decode_layer import measure_layer_in_stream
-from search.decode_shapes import _linear_shapes
-from search.decode_step import (
+from search.calibrate.layer import measure_layer_in_stream
+from search.calibrate.shapes import _linear_shapes
+from search.calibrate.step import (
     head_fits,
     measure_step_in_stream,
     measure_weight_rate_on,
     timing_layers,
     timing_model,
 )
-from search.models import ModelSpec
-from serving.fused_linear import Linear
+from search.roofline.models import ModelSpec
+from serving.model.linear import Linear
 
 TINY = ModelSpec.from_name("slotune-tiny")
 CPU = torch.device("cpu")

@@ -6,10 +6,12 @@ import math
 
 import pytest
 
-from search.hardware import CATALOG as HW
-from search.hardware import DecodeProfile, HardwareSpec
-from search.models import CATALOG as MODELS
-from search.roofline import DoesNotFit, Roofline, analyze, usd_per_million_tokens
+from search.roofline.curve import DoesNotFit, Roofline
+from search.roofline.hardware import CATALOG as HW
+from search.roofline.hardware import HardwareSpec
+from search.roofline.models import CATALOG as MODELS
+from search.roofline.operating_point import analyze, usd_per_million_tokens
+from search.roofline.profile import DecodeProfile
 
 H100 = HW["h100-sxm"]
 L8B, L70B, L405B = MODELS["llama-3.1-8b"], MODELS["llama-3.1-70b"], MODELS["llama-3.1-405b"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from metrics.observation import Slo
-from search.hardware import resolve_hardware
-from search.models import resolve_model
-from search.roofline import Roofline
+from search.roofline.curve import Roofline
+from search.roofline.hardware import resolve_hardware
+from search.roofline.models import resolve_model
 from search.space import PARAM_BATCH, PARAM_HEADROOM, Knobs, SearchSpace
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.02)

@@ -2,7 +2,7 @@
 
 Kept only as a test oracle (tests/serving/test_scheduler_equivalence.py): every
 decode entry built per step, every sequence touched per update, easy to read.
-serving/scheduler.py must plan and finish exactly as this does.
+serving/scheduler/scheduler.py must plan and finish exactly as this does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from serving.scheduler import (
+from serving.scheduler.plan import (
     DecodeEntry,
     Finished,
     PrefillChunk,

@@ -2,7 +2,7 @@
 
 A test oracle only (tests/serving/test_sim.py): one Python arrival at a time, the
 reference scheduler (tests/serving/ref_scheduler.py) building every decode entry.
-serving/sim.py must return exactly the same result for the same seed.
+serving/sim/simulator.py must return exactly the same result for the same seed.
 """
 
 from __future__ import annotations
@@ -13,16 +13,11 @@ from collections import deque
 import numpy as np
 
 from metrics.observation import Slo
-from serving.scheduler import RequestTiming, SchedulerConfig, SeqRequest
-from serving.sim import (
-    _NOISE_BLOCK,
-    SimConfig,
-    SimResult,
-    StepTimeFn,
-    _lognormal_sigma,
-    observation_from_timings,
-)
-from serving.workload import Workload
+from serving.scheduler.plan import RequestTiming, SchedulerConfig, SeqRequest
+from serving.sim.observation import observation_from_timings
+from serving.sim.result import SimConfig, SimResult
+from serving.sim.simulator import _NOISE_BLOCK, StepTimeFn, _lognormal_sigma
+from serving.sim.workload import Workload
 from tests.serving.ref_scheduler import RefScheduler
 
 

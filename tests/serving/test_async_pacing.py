@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from serving.async_engine import _DONE, AsyncEngine, _Stream
+from serving.engine.async_engine import _DONE, AsyncEngine, _Stream
 from tests.serving.test_engine import greedy_reference, make_engine
 
 STEP_S = 0.01  # what the fake clock advances per engine step

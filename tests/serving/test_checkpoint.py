@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from serving.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
-from serving.config import ModelConfig
-from serving.model import Transformer
-from serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from serving.model.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
+from serving.model.config import ModelConfig
+from serving.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from serving.model.transformer import Transformer
 
 TINY = ModelConfig.from_name("tiny")
 
@@ -85,7 +85,7 @@ def test_sharded_checkpoint_loads(tmp_path) -> None:
     ],
 )
 def test_unsupported_configs_refused(patch, needle) -> None:
-    from serving.checkpoint import config_to_hf
+    from serving.model.checkpoint import config_to_hf
 
     with pytest.raises(ValueError, match=needle):
         config_from_hf(config_to_hf(TINY) | patch)

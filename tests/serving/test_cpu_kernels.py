@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (serving/cpu_kernels.py) against the torch path.
+"""The C decode-attention kernel (serving/kernels/cpu_kernels.py) against the torch path.
 
 Skipped where the kernel cannot be built (no C compiler, not x86-64): the model then
 runs the torch path, which the rest of the suite covers.
@@ -12,11 +12,11 @@ import logging
 import pytest
 import torch
 
-import serving.cpu_kernels as ck
-from serving.config import ModelConfig
-from serving.engine import Engine
-from serving.fused_linear import Linear, widens_bf16
-from serving.model import Transformer
+import serving.kernels.cpu_kernels as ck
+from serving.engine.engine import Engine
+from serving.model.config import ModelConfig
+from serving.model.linear import Linear, widens_bf16
+from serving.model.transformer import Transformer
 
 KERNELS = ck.load()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C kernel cannot be built here")
@@ -256,7 +256,7 @@ def test_switched_off_or_without_compiler_falls_back(monkeypatch, caplog, tmp_pa
         ck.load.cache_clear()
         monkeypatch.setattr(ck, "_compiler", lambda: None)
         monkeypatch.setenv("SLOTUNE_KERNEL_CACHE", str(tmp_path))
-        with caplog.at_level(logging.WARNING, logger="serving.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="serving.kernels.cpu_kernels"):
             assert ck.load() is None
         assert "no C compiler" in caplog.text
         m = model_of("tiny")
@@ -345,7 +345,7 @@ def test_moving_the_model_drops_the_kernels() -> None:
 def test_linears_the_small_gemm_serves_get_no_fp32_copy(monkeypatch) -> None:
     """The engine turns the kernels on before prepacking: a linear the AVX2 GEMM serves
     never gets prepack's fp32 copy (4 bytes a parameter), whichever order is used."""
-    import serving.fused_linear as fl
+    import serving.model.linear as fl
 
     monkeypatch.setattr(fl, "bf16_matmul_native", lambda: False)
     m = model_of("tiny")

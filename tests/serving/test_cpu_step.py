@@ -1,4 +1,4 @@
-"""The whole decode step in one C call (serving/cpu_step.py) against the same kernels
+"""The whole decode step in one C call (serving/kernels/cpu_step.py) against the same kernels
 called layer by layer: the very same bits, and the layer-by-layer path wherever the
 whole-step kernel does not apply."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import serving.cpu_kernels as ck
-from serving.config import ModelConfig
-from serving.model import Transformer
+import serving.kernels.cpu_kernels as ck
+from serving.model.config import ModelConfig
+from serving.model.transformer import Transformer
 
 KERNELS = ck.load()
 pytestmark = pytest.mark.skipif(

@@ -17,9 +17,8 @@ import pytest
 import yaml
 
 from metrics.observation import Slo
-from serving.app import DEPLOYMENT_NAME, LiveConfig, ServerArgs
-from serving.deploy import IMPORT_PATH, app_config
-from serving.server_config import REPLICA_ENV_VARS
+from serving.app.config import DEPLOYMENT_NAME, REPLICA_ENV_VARS, LiveConfig, ServerArgs
+from serving.app.deploy import IMPORT_PATH, app_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,7 +136,7 @@ def test_knob_update_sends_back_the_deployed_args_and_env_verbatim(monkeypatch) 
     """The code version is import path + runtime_env + args: an app deployed without
     today's defaults (an older slotune, a hand-written config) must not get them filled
     in by a knob update, or its replica would restart."""
-    import serving.deploy as deploy
+    import serving.app.deploy as deploy
 
     old_args = {"model": "tiny", "max_slots": 8}  # no stream_events_per_s, no max_len
     deployed = {
@@ -165,7 +164,7 @@ def test_knob_update_sends_back_the_deployed_args_and_env_verbatim(monkeypatch) 
 
 
 def test_omp_wait_policy_is_set_for_the_process(monkeypatch, caplog) -> None:
-    from serving.server_config import set_omp_wait_policy
+    from serving.app.config import set_omp_wait_policy
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert set_omp_wait_policy(None) == "PASSIVE"  # unset: the shared-machine default
@@ -193,7 +192,7 @@ PREFIX = "/t-deploy"
 
 @pytest.fixture(scope="module")
 def deployed(ray_cluster):
-    from serving.deploy import delete_app, deploy_app
+    from serving.app.deploy import delete_app, deploy_app
 
     deploy_app(
         model="tiny",
@@ -230,7 +229,7 @@ def _stream(base: str, body: dict, out: list, first: threading.Event) -> None:
 
 @pytest.mark.ray
 def test_knob_update_is_in_place_and_in_flight_streams_survive(deployed: str) -> None:
-    from serving.deploy import replica_pids, replica_states, update_knobs
+    from serving.app.deploy import replica_pids, replica_states, update_knobs
 
     pids = replica_pids(APP)
     assert len(pids) == 1
@@ -282,7 +281,7 @@ def test_knob_update_is_in_place_and_in_flight_streams_survive(deployed: str) ->
 
 @pytest.mark.ray
 def test_excess_requests_get_a_retryable_503_never_dropped(deployed: str) -> None:
-    from serving.deploy import replica_pids, update_knobs
+    from serving.app.deploy import replica_pids, update_knobs
 
     pids = replica_pids(APP)
     update_knobs(app_name=APP, max_batch_size=1, max_ongoing_requests=1, max_queued_requests=1)
@@ -318,7 +317,7 @@ def test_excess_requests_get_a_retryable_503_never_dropped(deployed: str) -> Non
 @pytest.mark.slow
 def test_changing_args_does_restart_the_replica(deployed: str) -> None:
     """The control for the no-restart checks: a heavyweight change gives a new pid."""
-    from serving.deploy import deploy_app, replica_pids
+    from serving.app.deploy import deploy_app, replica_pids
 
     pids = replica_pids(APP)
     deploy_app(
@@ -350,7 +349,7 @@ def test_changing_args_does_restart_the_replica(deployed: str) -> None:
 def test_slotune_serve_rejects_bad_flags_before_starting_ray(
     argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from controller.cli import main
+    from controller.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["serve", *argv])

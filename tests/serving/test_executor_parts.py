@@ -1,6 +1,6 @@
 """The executor's host work as the functions the calibration times (decode_inputs, draw).
 
-search/decode_step.py times ``decode_inputs``, ``Transformer.prologue``/``logits`` and
+search/calibrate/step.py times ``decode_inputs``, ``Transformer.prologue``/``logits`` and
 ``draw`` as the engine's per-step work outside the layers; these tests pin that the
 executor is exactly those functions around the layers.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from serving.config import ModelConfig
-from serving.executor import TorchExecutor, decode_inputs, draw
-from serving.model import Transformer
-from serving.scheduler import DecodeEntry, StepPlan
+from serving.engine.executor import TorchExecutor, decode_inputs, draw
+from serving.model.config import ModelConfig
+from serving.model.transformer import Transformer
+from serving.scheduler.plan import DecodeEntry, StepPlan
 
 
 def _model() -> Transformer:

@@ -1,4 +1,4 @@
-"""serving/hugepages.py: tensors like torch.empty's, on 2 MiB pages where the kernel
+"""serving/kernels/hugepages.py: tensors like torch.empty's, on 2 MiB pages where the kernel
 takes the advice."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving import hugepages
+from serving.kernels import hugepages
 
 
 def anon_huge_kib() -> int | None:
@@ -58,8 +58,8 @@ def test_its_pages_are_huge_where_the_kernel_has_them() -> None:
 
 
 def test_the_packed_copies_and_the_cache_get_it() -> None:
-    from serving.config import ModelConfig
-    from serving.model import Transformer
+    from serving.model.config import ModelConfig
+    from serving.model.transformer import Transformer
 
     cfg = ModelConfig.from_name("tiny").replace(name="hp", d_model=1024, intermediate_size=2048)
     m = Transformer.random(cfg, seed=1)

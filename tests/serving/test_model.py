@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.config import ModelConfig
-from serving.fused_linear import Linear
-from serving.model import Transformer
-from serving.sampling import sample
+from serving.model.config import ModelConfig
+from serving.model.linear import Linear
+from serving.model.sampling import sample
+from serving.model.transformer import Transformer
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +190,8 @@ def test_prepacked_linears_are_bit_identical() -> None:
 def test_without_bf16_hardware_linears_and_attention_multiply_in_fp32(monkeypatch) -> None:
     """Where the CPU has no bf16 matmul hardware (torch's bf16 GEMMs are a slow fallback),
     prepack gives each linear an fp32 copy and the GEMMs run in fp32, rounded to bf16."""
-    import serving.fused_linear as fl
-    import serving.layers as sl
+    import serving.model.layers as sl
+    import serving.model.linear as fl
 
     for mod in (fl, sl):
         monkeypatch.setattr(mod, "bf16_matmul_native", lambda: False)
@@ -224,11 +224,11 @@ def _linears(m: Transformer) -> list[Linear]:
 
 
 def test_calibration_times_the_linears_the_model_runs() -> None:
-    # search/decode_shapes.py times the model's linears by their shapes (and
-    # search/decode_step.py the model itself): the same (out, in) shapes in the same
+    # search/calibrate/shapes.py times the model's linears by their shapes (and
+    # search/calibrate/step.py the model itself): the same (out, in) shapes in the same
     # order, the fused ones included.
-    from search.decode_shapes import _linear_shapes
-    from search.models import ModelSpec
+    from search.calibrate.shapes import _linear_shapes
+    from search.roofline.models import ModelSpec
 
     m = Transformer(ModelConfig.from_name("small"))
     ours = [tuple(lin.weight.shape) for lin in m.modules() if isinstance(lin, Linear)]

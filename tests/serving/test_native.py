@@ -1,8 +1,9 @@
-"""The compiled simulator modules (serving/native.py): used only while they match their
-sources, and giving the results of the pure-Python sources bit for bit."""
+"""The compiled simulator modules (setup.py's COMPILED, serving/native.py): used only while
+they match their sources, and giving the results of the pure-Python sources bit for bit."""
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import json
 import os
@@ -20,10 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 EXT = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
+def _compiled() -> tuple[str, ...]:
+    """setup.py's COMPILED, read without running setup.py."""
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "COMPILED":
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("setup.py defines no COMPILED")
+
+
+COMPILED = _compiled()
+
+
 def _fake_tree(tmp_path: Path, *, built: bool = True, record: bool = True) -> Path:
     """A project root with the compiled modules' sources, an extension file for each (when
     ``built``) and the build record of those sources (when ``record``)."""
-    for p in native.COMPILED:
+    for p in COMPILED:
         src = tmp_path / p
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text(f"# {p}\n")
@@ -31,7 +43,7 @@ def _fake_tree(tmp_path: Path, *, built: bool = True, record: bool = True) -> Pa
             src.with_name(src.name[: -len(".py")] + EXT).write_bytes(b"")
     if record:
         rec = tmp_path / native.RECORD
-        rec.write_text(json.dumps({"sources": native.source_hashes(tmp_path)}))
+        rec.write_text(json.dumps({"sources": native.source_hashes(COMPILED, tmp_path)}))
     return tmp_path
 
 
@@ -48,9 +60,9 @@ def test_no_build_means_the_sources(tmp_path) -> None:
 
 def test_an_edited_source_makes_every_module_come_from_source(tmp_path) -> None:
     root = _fake_tree(tmp_path)
-    (root / "serving/scheduler.py").write_text("# edited\n")
+    (root / "serving/scheduler/scheduler.py").write_text("# edited\n")
     use, why = native.decide(root, {})
-    assert not use and "serving/scheduler.py" in why and "make venv" in why
+    assert not use and "serving/scheduler/scheduler.py" in why and "make venv" in why
 
 
 def test_the_environment_can_ask_for_the_sources(tmp_path) -> None:
@@ -60,9 +72,9 @@ def test_the_environment_can_ask_for_the_sources(tmp_path) -> None:
 
 def test_a_partial_build_or_a_lost_record_is_not_used(tmp_path) -> None:
     root = _fake_tree(tmp_path)
-    (root / ("serving/sim" + EXT)).unlink()
+    (root / ("serving/sim/simulator" + EXT)).unlink()
     use, why = native.decide(root, {})
-    assert not use and "serving/sim.py" in why
+    assert not use and "serving/sim/simulator.py" in why
     root2 = _fake_tree(tmp_path / "b", record=False)
     use, why = native.decide(root2, {})
     assert not use and native.RECORD in why
@@ -75,7 +87,20 @@ def test_make_rebuilds_when_a_compiled_source_changes() -> None:
     stamp = re.search(r"^\$\(VENV\)/\.installed:(.*)$", text, re.M)
     assert listed is not None and stamp is not None
     assert "$(NATIVE_SRC)" in stamp.group(1)
-    assert {*native.COMPILED, "setup.py", "serving/native.py"} <= set(listed.group(1).split())
+    assert {*COMPILED, "setup.py", "serving/native.py"} <= set(listed.group(1).split())
+
+
+def test_an_extension_the_record_does_not_list_is_not_used(tmp_path) -> None:
+    root = _fake_tree(tmp_path)
+    stray = root / "serving/planted.py"
+    stray.write_text("# not compiled by setup.py\n")
+    stray.with_name("planted" + EXT).write_bytes(b"")
+    use, why = native.decide(root, {})
+    assert not use and "serving/planted.py" in why
+
+
+def test_every_compiled_module_sits_in_a_package_the_guard_searches() -> None:
+    assert {p.split("/")[0] for p in COMPILED} <= set(native.PACKAGES)
 
 
 def _have_compiler() -> bool:
@@ -89,17 +114,19 @@ def test_this_checkout_runs_the_compiled_build() -> None:
         pytest.skip(f"{native.PURE_ENV}=1")
     st = native.status()
     assert st["compiled"], st["why"]
-    import serving.scheduler
+    import serving.scheduler.scheduler
 
-    assert serving.scheduler.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert serving.scheduler.scheduler.__file__.endswith(
+        tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    )
 
 
 _FINGERPRINT = r"""
 import json, sys
-from controller.sim_decode_run import DecodeRunStepTime
-from controller.sim_target import SCENARIOS, SimTarget
+from controller.sim.decode_run import DecodeRunStepTime
+from controller.sim.target import SCENARIOS, SimTarget
 from serving import native
-from serving.sim import simulate
+from serving.sim.simulator import simulate
 
 out = {"status": native.status(), "runs": []}
 CASES = (("cpu-small", [(1, 1), (8, 16), (64, 64)]), ("h100-8b", [(32, 32), (256, 512)]))

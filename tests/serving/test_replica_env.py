@@ -3,7 +3,7 @@
 A separate Ray cluster in a child process, started with the opposite settings in
 its own environment (workers reniced to 15, handlers in a separate thread), as a
 ``ray start`` that knows nothing of slotune would: only the ``runtime_env`` that
-``serving.deploy.app_config`` (and deploy/serve-config.yaml) carries can give the
+``serving.app.deploy.app_config`` (and deploy/serve-config.yaml) carries can give the
 replica niceness 0 and handlers on its main loop. The proxy stays as the cluster
 made it: the env reaches the replica only.
 """
@@ -26,7 +26,7 @@ os.environ["RAY_worker_niceness"] = "15"
 os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "1"
 import httpx, ray
 from ray import serve
-from serving.deploy import delete_app, deploy_app, start_local_ray
+from serving.app.deploy import delete_app, deploy_app, start_local_ray
 
 def free():
     with socket.socket() as s:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.scheduler import Scheduler, SchedulerConfig, SeqRequest, StepPlan
+from serving.scheduler.plan import SchedulerConfig, SeqRequest, StepPlan
+from serving.scheduler.scheduler import Scheduler
 
 
 def make(max_slots=4, max_batch_size=4, max_len=64, prefill_chunk=16) -> Scheduler:
@@ -334,7 +335,7 @@ def test_skip_decode_steps_refuses_more_than_promised() -> None:
 def test_hot_path_objects_are_the_frozen_dataclasses() -> None:
     import dataclasses
 
-    from serving.step_plan import Finished, PrefillChunk, RequestTiming
+    from serving.scheduler.plan import Finished, PrefillChunk, RequestTiming
 
     s = make(prefill_chunk=64)
     s.add(req("a", max_tokens=1, arrival_s=0.5))
@@ -419,7 +420,7 @@ def test_lean_plan_counts_match_its_entries() -> None:
 
 
 def test_new_request_is_the_dataclass() -> None:
-    from serving.step_plan import new_request
+    from serving.scheduler.plan import new_request
 
     r = new_request("x", 5, 3, 1.25)
     assert r == SeqRequest(request_id="x", prompt_len=5, max_tokens=3, arrival_s=1.25)
@@ -457,7 +458,8 @@ def test_the_simulators_step_is_schedule_and_update_without_the_plan() -> None:
     """schedule_totals + update_seqs plan and apply exactly what schedule + update do."""
     import random
 
-    from serving.scheduler import Scheduler, SchedulerConfig
+    from serving.scheduler.plan import SchedulerConfig
+    from serving.scheduler.scheduler import Scheduler
 
     cfg = SchedulerConfig(max_slots=6, max_batch_size=4, max_len=64, prefill_chunk=16)
     a, b = Scheduler(cfg), Scheduler(cfg)

@@ -1,7 +1,7 @@
 """The O(1)-per-step scheduler plans and finishes exactly as the plain reference does.
 
 Random sessions (arrivals, aborts, live batch-limit changes, stop tokens, partial or
-empty token maps as in a simulation) drive serving/scheduler.py and the reference
+empty token maps as in a simulation) drive serving/scheduler/scheduler.py and the reference
 (tests/serving/ref_scheduler.py, the scheduler before it was made lean) side by side;
 every plan, every finished request and the visible state must be equal at every step.
 """
@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from serving.scheduler import Scheduler, SchedulerConfig, SeqRequest
+from serving.scheduler.plan import SchedulerConfig, SeqRequest
+from serving.scheduler.scheduler import Scheduler
 from tests.serving.ref_scheduler import RefScheduler
 
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from metrics.observation import Slo, Verdict
-from serving.scheduler import StepPlan
-from serving.sim import SimConfig, simulate
-from serving.workload import LengthDist, Workload
+from serving.scheduler.plan import StepPlan
+from serving.sim.result import SimConfig
+from serving.sim.simulator import simulate
+from serving.sim.workload import LengthDist, Workload
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
 FIXED = Workload(
@@ -314,7 +315,7 @@ def _plain_observation(timings, *, slo, confidence):
 
 
 def test_observation_equals_the_plain_per_request_computation() -> None:
-    from serving.sim import observation_from_timings
+    from serving.sim.observation import observation_from_timings
 
     r = simulate(**EQUIV_CASES["saturated-noisy"], step_time=_roofline_like, slo=SLO, seed=3)
     single = Workload(rate_rps=200.0, output=LengthDist(kind="fixed", mean=1))

@@ -1,0 +1,1 @@
+"""The ``slotune`` command line: one module per command."""

@@ -1,0 +1,1 @@
+"""The exported review: trial records, cost, the curve report, its plots and HTML."""

@@ -1,0 +1,282 @@
+"""The exported curve: ``curve.csv``, ``curve.json``, ``curve.png`` and ``report.html``.
+
+Input is a :class:`CurveReport`: the measured trials (one :class:`TrialRecord`
+each), the roofline's predicted curve, the SLO, the hardware and model, and the
+price; the chosen operating point is the tuner's incumbent (:attr:`CurveReport.chosen`:
+the declared knob with the most pooled goodput, never one whose pooled SLO verdict
+is not MET). :func:`write_report` writes all four files;
+``slotune export`` rebuilds the same files from :meth:`CurveReport.from_dict`.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from controller.report.cost import usd_per_million_tokens
+from controller.report.records import PredictedPoint, TrialRecord, json_num, ms_of
+from metrics.observation import Slo
+
+log = logging.getLogger(__name__)
+
+FILES = ("curve.csv", "curve.json", "curve.png", "report.html")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveReport:
+    """Everything the exported files say."""
+
+    slo: Slo
+    trials: tuple[TrialRecord, ...]
+    predicted: tuple[PredictedPoint, ...] = ()
+    model: str = ""
+    hardware: str = ""
+    hardware_detail: Mapping[str, Any] = field(default_factory=dict)
+    usd_per_hour: float | None = None
+    knee_batch: int | None = None
+    ridge_flops_per_byte: float | None = None
+    predicted_batch: int | None = None  # the roofline's operating point (the seed)
+    confirmations: int = 2  # windows a knob needs to be declared (the tuner's stop rule)
+    stop_reason: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)  # command, started, wall_s, target
+
+    @property
+    def chosen(self) -> TrialRecord | None:
+        """The operating point, by the tuner's own rule (one rule for both, so a run never
+        stops on a knob the report would not deploy): the knob with the most pooled goodput
+        among those *declared* — measured in at least ``confirmations`` windows whose SLO
+        verdicts, judged on the union of their requests, are both MET
+        (``search.stop_rule.incumbent``). When no knob is declared yet (the budget ran out
+        first), the best knob whose pooled windows met the SLO, marked unconfirmed in
+        :meth:`operating_point`. Never a knob whose pooled verdict is not MET. Its latest
+        measurement is returned."""
+        p = self._incumbent()
+        if p is None:
+            return None
+        return max(self.measurements_of(p.knobs), key=lambda t: t.number)
+
+    def _points(self) -> list[Any]:
+        """One ``search.stop_rule.PointSummary`` per knob (``search.points.summarize``)."""
+        from search.points import summarize
+        from search.space import Knobs
+
+        groups: dict[tuple[int, int], list[TrialRecord]] = {}
+        for t in self.trials:
+            groups.setdefault((t.max_batch_size, t.max_concurrency), []).append(t)
+        return [
+            summarize(
+                Knobs(max_batch_size=b, max_concurrency=c),
+                [t.window_attrs() for t in ts],
+                values=[t.goodput_rps if math.isfinite(t.goodput_rps) else 0.0 for t in ts],
+                numbers=[t.number for t in ts],
+                slo=self.slo,
+            )
+            for (b, c), ts in groups.items()
+        ]
+
+    def _incumbent(self) -> Any | None:
+        from search.stop_rule import incumbent
+
+        points = self._points()
+        return incumbent(points, confirmations=self.confirmations) or incumbent(
+            points, confirmations=1
+        )
+
+    def measurements_of(self, t: Any) -> list[TrialRecord]:
+        """Every trial of the same knobs as ``t`` (a trial record or knobs)."""
+        k = (t.max_batch_size, t.max_concurrency)
+        return [x for x in self.trials if (x.max_batch_size, x.max_concurrency) == k]
+
+    def predicted_at(self, batch: int) -> PredictedPoint | None:
+        """The predicted point at ``batch`` (linear interpolation between curve points)."""
+        pts = sorted(self.predicted, key=lambda p: p.batch)
+        if not pts or batch < pts[0].batch or batch > pts[-1].batch:
+            return None
+        for a, b in zip(pts, pts[1:] or pts, strict=False):
+            if a.batch == batch:
+                return a
+            if a.batch < batch <= b.batch:
+                w = (batch - a.batch) / (b.batch - a.batch)
+                tpot = a.tpot_s + w * (b.tpot_s - a.tpot_s)
+                return PredictedPoint(batch=batch, tpot_s=tpot, tokens_per_s=batch / tpot)
+        return pts[-1] if pts[-1].batch == batch else None
+
+    def roofline_fraction(self, t: TrialRecord) -> float:
+        """Measured tokens/s ÷ the roofline's tokens/s at the batch that could run."""
+        p = self.predicted_at(min(t.max_batch_size, t.max_concurrency))
+        if p is None or not (p.tokens_per_s > 0) or not math.isfinite(t.tokens_per_s):
+            return math.nan
+        return t.tokens_per_s / p.tokens_per_s
+
+    def operating_point(self) -> dict[str, Any] | None:
+        p = self._incumbent()
+        if p is None:
+            return None
+        same = self.measurements_of(p.knobs)
+        c = max(same, key=lambda t: t.number)
+        return {
+            "max_batch_size": c.max_batch_size,
+            "max_concurrency": c.max_concurrency,
+            "goodput_rps": c.goodput_rps,
+            "tokens_per_s": c.tokens_per_s,
+            "p99_ttft_ms": c.p99_ttft_ms,
+            "p99_tpot_ms": c.p99_tpot_ms,
+            "usd_per_million_tokens": usd_per_million_tokens(self.usd_per_hour, c.tokens_per_s),
+            # what each $1/h of device price costs per million tokens (scale by your price)
+            "usd_per_million_tokens_per_usd_hour": usd_per_million_tokens(1.0, c.tokens_per_s),
+            # the verdict the point was chosen on: every window of these knobs pooled (a
+            # latest window too short for a p99 of its own lends its requests to the rest)
+            "verdict": (p.pooled.value if p.pooled is not None else "met"),
+            "latest_window_verdict": c.verdict,
+            "trial": c.number,
+            "ttft_samples": c.ttft_samples,
+            "tpot_samples": c.tpot_samples,
+            "roofline_fraction": self.roofline_fraction(c),
+            "measurements": len(same),
+            "met_windows": sum(t.feasible for t in same),
+            # declared on `confirmations` windows, as the tuner's stop rule requires
+            "confirmed": p.declared(self.confirmations),
+            "mean_goodput_rps": p.goodput_rps,  # pooled: SLO-meeting requests / window time
+        }
+
+    def sample_hint(self) -> str:
+        """When most trials could not reach a verdict for lack of requests, what to do."""
+        ins = [
+            t
+            for t in self.trials
+            if "insufficient" in (t.ttft_verdict, t.tpot_verdict)
+            and "violated"
+            not in (
+                t.ttft_verdict,
+                t.tpot_verdict,
+            )
+        ]
+        if not self.trials or len(ins) * 2 < len(self.trials):
+            return ""
+        most = max(t.completed for t in ins)
+        need = math.ceil(math.log(1 - 0.95) / math.log(self.slo.quantile))
+        return (
+            f"{len(ins)} of {len(self.trials)} windows were too small to judge a "
+            f"p{self.slo.quantile * 100:g} (at most {most} requests; a verdict at 95% "
+            f"confidence needs at least {need} with none over the SLO): lengthen the window "
+            "(--max-window), shorten the requests (--output-tokens) or add capacity."
+        )
+
+    def cross_check(self) -> dict[str, Any]:
+        """How far the client's p99s are from the server's: the median over trials of
+        client / server - 1 (positive: the client saw slower), and the trial count."""
+
+        def med(pairs: list[tuple[float, float]]) -> float | None:
+            r = sorted(c / s - 1 for c, s in pairs if math.isfinite(c) and math.isfinite(s) and s)
+            if not r:
+                return None
+            mid = len(r) // 2
+            return r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
+
+        tpot = [(t.client_p99_tpot_ms, t.p99_tpot_ms) for t in self.trials]
+        ttft = [(t.client_p99_ttft_ms, t.p99_ttft_ms) for t in self.trials]
+        return {
+            "trials": sum(t.client_completed > 0 for t in self.trials),
+            "median_p99_tpot_rel_diff": med(tpot),
+            "median_p99_ttft_rel_diff": med(ttft),
+        }
+
+    def slo_cut_predicted(self) -> PredictedPoint | None:
+        """The largest predicted batch whose TPOT meets the SLO (where the SLO cuts the curve)."""
+        ok = [p for p in self.predicted if p.tpot_s <= self.slo.tpot_p99_s]
+        return max(ok, key=lambda p: p.batch) if ok else None
+
+    def to_dict(self) -> dict[str, Any]:
+        cut = self.slo_cut_predicted()
+        return json_num(
+            {
+                "slo": {
+                    "ttft_p99_ms": ms_of(self.slo.ttft_p99_s),
+                    "tpot_p99_ms": ms_of(self.slo.tpot_p99_s),
+                    "quantile": self.slo.quantile,
+                },
+                "operating_point": self.operating_point(),
+                "model": self.model,
+                "hardware": self.hardware,
+                "hardware_detail": dict(self.hardware_detail),
+                "usd_per_hour": self.usd_per_hour,
+                "knee_batch": self.knee_batch,
+                "ridge_flops_per_byte": self.ridge_flops_per_byte,
+                "predicted_batch": self.predicted_batch,
+                "confirmations": self.confirmations,
+                "predicted_slo_cut_batch": cut.batch if cut else None,
+                "client_cross_check": self.cross_check(),
+                "stop_reason": self.stop_reason,
+                "meta": dict(self.meta),
+                "trials": [
+                    {**t.to_dict(), "roofline_fraction": self.roofline_fraction(t)}
+                    for t in self.trials
+                ],
+                "predicted": [asdict(p) for p in self.predicted],
+            }
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CurveReport:
+        s = d["slo"]
+        return cls(
+            slo=Slo(
+                ttft_p99_s=float(s["ttft_p99_ms"]) / 1e3,
+                tpot_p99_s=float(s["tpot_p99_ms"]) / 1e3,
+                quantile=float(s.get("quantile", 0.99)),
+            ),
+            trials=tuple(TrialRecord.from_dict(t) for t in d.get("trials", [])),
+            predicted=tuple(PredictedPoint.of(p) for p in d.get("predicted", [])),
+            model=d.get("model", ""),
+            hardware=d.get("hardware", ""),
+            hardware_detail=d.get("hardware_detail") or {},
+            usd_per_hour=d.get("usd_per_hour"),
+            knee_batch=d.get("knee_batch"),
+            ridge_flops_per_byte=d.get("ridge_flops_per_byte"),
+            predicted_batch=d.get("predicted_batch"),
+            confirmations=int(d.get("confirmations") or 2),
+            stop_reason=d.get("stop_reason", ""),
+            meta=d.get("meta") or {},
+        )
+
+    def with_trials(self, trials: Sequence[TrialRecord], **kw: Any) -> CurveReport:
+        return replace(self, trials=tuple(trials), **kw)
+
+
+CSV_COLUMNS = [f.name for f in fields(TrialRecord) if f.name != "evidence"] + ["roofline_fraction"]
+
+
+def write_csv(report: CurveReport, path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for t in report.trials:
+            row = {**asdict(t), "roofline_fraction": report.roofline_fraction(t)}
+            row.pop("evidence", None)
+            w.writerow(
+                {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            )
+
+
+def write_report(report: CurveReport, out_dir: str | Path) -> dict[str, Path]:
+    """Write the four files into ``out_dir`` (created); returns their paths by name."""
+    from controller.report.html import plot_png, render_html
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in FILES}
+    write_csv(report, paths["curve.csv"])
+    paths["curve.json"].write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n")
+    png = plot_png(report)
+    paths["curve.png"].write_bytes(png)
+    html = render_html(report, png_b64=base64.b64encode(png).decode("ascii"))
+    paths["report.html"].write_text(html, encoding="utf-8")
+    log.info("report written to %s", out)
+    return paths

@@ -1,0 +1,349 @@
+"""The rendered views: ``curve.png`` (matplotlib) and ``report.html``, one self-contained
+page (inline CSS, the plot as a base64 PNG)."""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controller.report.curve import CurveReport
+    from controller.report.records import TrialRecord
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3 if math.isfinite(seconds) else math.nan
+
+
+def plot_png(report: CurveReport) -> bytes:
+    """tokens/s against p99 TPOT: measured trials, the predicted curve, knee, SLO, the choice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.6), dpi=110)
+    try:
+        pred = sorted(report.predicted, key=lambda p: p.batch)
+        if pred:
+            ax.plot(
+                [_ms(p.tpot_s) for p in pred],
+                [p.tokens_per_s for p in pred],
+                "-",
+                color="#7a7a7a",
+                lw=1.6,
+                label="roofline prediction",
+            )
+            for p in pred[:: max(1, len(pred) // 8)]:
+                ax.annotate(
+                    f"B={p.batch}",
+                    (_ms(p.tpot_s), p.tokens_per_s),
+                    fontsize=7,
+                    color="#7a7a7a",
+                    xytext=(3, -10),
+                    textcoords="offset points",
+                )
+        knee = report.predicted_at(report.knee_batch) if report.knee_batch else None
+        if knee is not None:
+            ax.plot([_ms(knee.tpot_s)], [knee.tokens_per_s], "D", color="#555", ms=8)
+            ax.annotate(
+                f"knee B≈{report.knee_batch}"
+                + (
+                    f"\nridge {report.ridge_flops_per_byte:.0f} FLOP/B"
+                    if report.ridge_flops_per_byte
+                    else ""
+                ),
+                (_ms(knee.tpot_s), knee.tokens_per_s),
+                fontsize=8,
+                xytext=(8, 8),
+                textcoords="offset points",
+            )
+        for feasible, color, label in (
+            (True, "#1a9850", "measured, meets SLO"),
+            (False, "#d73027", "measured, misses SLO"),
+        ):
+            pts = [
+                t
+                for t in report.trials
+                if t.feasible is feasible and math.isfinite(t.p99_tpot_ms) and t.tokens_per_s > 0
+            ]
+            if pts:
+                ax.scatter(
+                    [t.p99_tpot_ms for t in pts],
+                    [t.tokens_per_s for t in pts],
+                    s=36,
+                    color=color,
+                    edgecolor="black",
+                    linewidths=0.4,
+                    zorder=3,
+                    label=label,
+                )
+                for t in pts:
+                    ax.annotate(
+                        f"{t.max_batch_size}/{t.max_concurrency}",
+                        (t.p99_tpot_ms, t.tokens_per_s),
+                        fontsize=7,
+                        color=color,
+                        xytext=(5, 4),
+                        textcoords="offset points",
+                    )
+        ax.axvline(
+            _ms(report.slo.tpot_p99_s),
+            color="#2166ac",
+            ls="--",
+            lw=1.2,
+            label=f"p99 TPOT SLO {_ms(report.slo.tpot_p99_s):.0f} ms",
+        )
+        op = report.operating_point()
+        if op is not None:
+            cost = op["usd_per_million_tokens"]
+            text = f"chosen B={op['max_batch_size']}, C={op['max_concurrency']}\n"
+            text += f"{op['tokens_per_s']:.0f} tok/s, {op['goodput_rps']:.2f} req/s"
+            if math.isfinite(cost):
+                text += f"\n${cost:.3g} per 1M tokens"
+            ax.scatter(
+                [op["p99_tpot_ms"]],
+                [op["tokens_per_s"]],
+                s=220,
+                facecolors="none",
+                edgecolors="#2166ac",
+                linewidths=2,
+                zorder=4,
+            )
+            ax.annotate(
+                text,
+                (op["p99_tpot_ms"], op["tokens_per_s"]),
+                fontsize=9,
+                xytext=(-150, 18),
+                textcoords="offset points",
+                arrowprops={"arrowstyle": "->", "color": "#2166ac"},
+                bbox={"boxstyle": "round", "fc": "white", "ec": "#2166ac"},
+            )
+        ax.set_xlabel("p99 TPOT (ms per output token); measured points labelled batch/concurrency")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(
+            f"{report.model or 'model'} on {report.hardware or 'device'}: "
+            "throughput against latency"
+        )
+        _scale_axes(ax, report)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(loc="best", fontsize=8, framealpha=0.85)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def _scale_axes(ax: Any, report: CurveReport) -> None:
+    """Linear from 0 when the prediction and the measurements are of one size; log-log when
+    they are decades apart (a tiny model far below its roofline), so both stay readable."""
+    xs = [_ms(p.tpot_s) for p in report.predicted]
+    ys = [p.tokens_per_s for p in report.predicted]
+    xs += [t.p99_tpot_ms for t in report.trials] + [_ms(report.slo.tpot_p99_s)]
+    ys += [t.tokens_per_s for t in report.trials]
+    xs = [x for x in xs if math.isfinite(x) and x > 0]
+    ys = [y for y in ys if math.isfinite(y) and y > 0]
+    if xs and max(xs) / min(xs) > 30:
+        ax.set_xscale("log")
+    else:
+        ax.set_xlim(left=0)
+    if ys and max(ys) / min(ys) > 30:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
+max-width:1100px;color:#222;padding:0 1em}
+h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.6em}
+.sub{color:#666;margin-top:0}
+.box{border:2px solid #2166ac;border-radius:8px;padding:.8em 1.2em;background:#f4f8fc}
+.box.bad{border-color:#d73027;background:#fdf3f2}
+table{border-collapse:collapse;font-size:.85em;width:100%}
+th,td{border-bottom:1px solid #ddd;padding:.3em .45em;text-align:right}
+th{background:#f0f0f0;position:sticky;top:0}
+td.l,th.l{text-align:left}tr.ok td{background:#eef8ee}tr.chosen td{background:#cfe8cf;
+font-weight:600}tr.no td{color:#a33}
+dl{display:grid;grid-template-columns:max-content 1fr;gap:.2em 1em}dt{color:#666}
+img{max-width:100%;border:1px solid #ddd}
+"""
+
+
+def _f(x: Any, fmt: str = ".1f", none: str = "–") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, fmt)
+
+
+def explain(report: CurveReport) -> list[str]:
+    """The recommendation and why, in plain sentences."""
+    from controller.report.cost import cost_sentence
+
+    slo = report.slo
+    lines: list[str] = []
+    if report.knee_batch:
+        ridge = (
+            f" (the device's ridge point is {report.ridge_flops_per_byte:.0f} FLOP/byte)"
+            if report.ridge_flops_per_byte
+            else ""
+        )
+        lines.append(
+            f"The roofline puts the knee of the curve near batch {report.knee_batch}{ridge}: "
+            "below it a decode step costs about the same at any batch (reading the weights "
+            "dominates), so more sequences give more tokens/s almost for free; above it each "
+            "extra sequence adds step time, so tokens/s flattens while TPOT grows."
+        )
+    cut = report.slo_cut_predicted()
+    if cut is not None:
+        lines.append(
+            f"The p99 TPOT SLO of {slo.tpot_p99_s * 1e3:.0f} ms cuts the predicted curve at "
+            f"batch {cut.batch} ({cut.tokens_per_s:.0f} tokens/s predicted)."
+        )
+    feasible = [t for t in report.trials if t.feasible]
+    if feasible:
+        big = max(feasible, key=lambda t: t.max_batch_size)
+        lines.append(
+            f"Measured, the largest batch limit that met both p99 SLOs (TTFT "
+            f"{slo.ttft_p99_s * 1e3:.0f} ms, TPOT {slo.tpot_p99_s * 1e3:.0f} ms) was "
+            f"{big.max_batch_size} ({len(feasible)} of {len(report.trials)} trials met them)."
+        )
+    c = report.chosen
+    if c is None:
+        lines.append(
+            f"No configuration tried met both SLOs with enough samples to say so "
+            f"({len(report.trials)} trials). Do not ship: relax the SLO, add capacity, or "
+            "look at the table below for the closest miss."
+        )
+        if report.sample_hint():
+            lines.append(report.sample_hint())
+        return lines
+    rec = (
+        f"Recommended: max_batch_size={c.max_batch_size}, max_concurrency={c.max_concurrency}. "
+        f"It served {c.goodput_rps:.2f} requests/s within both SLOs and {c.tokens_per_s:.0f} "
+        f"output tokens/s, with p99 TTFT {_f(c.p99_ttft_ms)} ms (n={c.ttft_samples}) and "
+        f"p99 TPOT {_f(c.p99_tpot_ms)} ms (n={c.tpot_samples})."
+    )
+    rec += " " + cost_sentence(
+        report.usd_per_hour, c.tokens_per_s, str(report.meta.get("price", ""))
+    )
+    lines.append(rec)
+    op = report.operating_point() or {}
+    n, met = op.get("measurements", 1), op.get("met_windows", 0)
+    if op.get("confirmed"):
+        lines.append(
+            f"It was measured in {n} windows ({met} of them met both SLOs on their own); "
+            "on their pooled requests both p99s are within the SLO, which is how the tuner "
+            f"declares a point (at least {report.confirmations} windows)."
+        )
+    else:
+        lines.append(
+            f"Caution: it was measured in only {n} window(s), fewer than the "
+            f"{report.confirmations} the tuner needs to declare a point (the run ended "
+            "first); re-measure it before shipping."
+        )
+    frac = report.roofline_fraction(c)
+    if math.isfinite(frac):
+        lines.append(
+            f"The measurement reaches {frac:.0%} of the roofline's tokens/s at that batch; "
+            "the rest is what the implementation leaves on the table (kernels, Python, "
+            "scheduling, HTTP)."
+        )
+    if math.isfinite(c.client_p99_tpot_ms) and math.isfinite(c.p99_tpot_ms) and c.p99_tpot_ms:
+        lines.append(
+            f"Cross-check: the load generator measured p99 TPOT {c.client_p99_tpot_ms:.1f} ms "
+            f"and p99 TTFT {_f(c.client_p99_ttft_ms)} ms on the client side "
+            f"({(c.client_p99_tpot_ms / c.p99_tpot_ms - 1):+.0%} TPOT against the server's "
+            "metrics; the client adds network and HTTP time)."
+        )
+    x = report.cross_check()
+    if x["median_p99_tpot_rel_diff"] is not None:
+        ttft = x["median_p99_ttft_rel_diff"]
+        lines.append(
+            f"Over {x['trials']} trials the client-side p99s differ from the server-side ones "
+            f"by a median {x['median_p99_tpot_rel_diff']:+.0%} (TPOT)"
+            + (f" and {ttft:+.0%} (TTFT)" if ttft is not None else "")
+            + "."
+        )
+    return lines
+
+
+def _row(report: CurveReport, t: TrialRecord, chosen: TrialRecord | None) -> str:
+    cls = "chosen" if t is chosen else ("ok" if t.feasible else "no")
+    cells = [
+        str(t.number),
+        str(t.max_batch_size),
+        str(t.max_concurrency),
+        _f(t.tokens_per_s, ".0f"),
+        _f(t.goodput_rps, ".2f"),
+        _f(t.p50_ttft_ms),
+        _f(t.p99_ttft_ms),
+        _f(t.p50_tpot_ms),
+        _f(t.p99_tpot_ms),
+        f"{t.ttft_verdict}/{t.tpot_verdict}",
+        f"{t.ttft_samples}/{t.tpot_samples}",
+        _f(report.roofline_fraction(t), ".0%"),
+        _f(t.client_p99_tpot_ms),
+        _f(t.wall_s, ".0f"),
+    ]
+    tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+    return f'<tr class="{cls}">{tds}<td class="l">{html.escape(t.note)}</td></tr>'
+
+
+def render_html(report: CurveReport, *, png_b64: str) -> str:
+    slo = report.slo
+    chosen = report.chosen
+    heads = (
+        "trial,batch,conc.,tok/s,goodput req/s,p50 TTFT ms,p99 TTFT ms,p50 TPOT ms,"
+        "p99 TPOT ms,verdicts TTFT/TPOT,samples,of roofline,client p99 TPOT ms,wall s"
+    ).split(",")
+    head = "".join(f"<th>{h}</th>" for h in heads) + '<th class="l">note</th>'
+    rows = "\n".join(_row(report, t, chosen) for t in report.trials)
+    why = "".join(f"<p>{html.escape(s)}</p>" for s in explain(report))
+    hw = "".join(
+        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>"
+        for k, v in report.hardware_detail.items()
+    )
+    meta = "".join(
+        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>"
+        for k, v in report.meta.items()
+    )
+    box = "box" if chosen is not None else "box bad"
+    title = "Operating point found" if chosen is not None else "No feasible operating point"
+    price = (
+        f"${report.usd_per_hour:g}/h"
+        if report.usd_per_hour is not None
+        else "not given (no cost: give --price-per-hour)"
+    )
+    who = f"{html.escape(report.model or 'model')} on {html.escape(report.hardware or 'device')}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>slotune report: {html.escape(report.model)} on {html.escape(report.hardware)}</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>slotune: {who}</h1>
+<p class="sub">SLO: p{slo.quantile * 100:g} TTFT ≤ {slo.ttft_p99_s * 1e3:g} ms,
+p{slo.quantile * 100:g} TPOT ≤ {slo.tpot_p99_s * 1e3:g} ms · price {price} ·
+{len(report.trials)} trials · {html.escape(report.stop_reason)}</p>
+<div class="{box}"><h2 style="margin-top:.2em">{title}</h2>{why}</div>
+<h2>Throughput against latency</h2>
+<img alt="tokens/s against p99 TPOT: measured trials, roofline prediction, SLO line, chosen point"
+ src="data:image/png;base64,{png_b64}">
+<h2>Trials</h2>
+<table><thead><tr>{head}</tr></thead><tbody>
+{rows}
+</tbody></table>
+<h2>Hardware and model</h2>
+<dl><dt>model</dt><dd>{html.escape(report.model)}</dd>
+<dt>hardware</dt><dd>{html.escape(report.hardware)}</dd>{hw}
+<dt>knee (roofline)</dt><dd>{_f(report.knee_batch, "d")}</dd>
+<dt>ridge point</dt><dd>{_f(report.ridge_flops_per_byte, ".0f")} FLOP/byte</dd>
+<dt>roofline's predicted operating point</dt><dd>batch {_f(report.predicted_batch, "d")}</dd>
+</dl>
+<h2>Run</h2><dl>{meta}</dl>
+</body></html>
+"""

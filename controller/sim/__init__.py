@@ -1,0 +1,1 @@
+"""The simulator as a tuning target: scenarios and their step-time functions."""

@@ -1,0 +1,1 @@
+"""The Ray Serve application: OpenAI-compatible HTTP, live knobs, metrics, deployment."""

@@ -1,0 +1,344 @@
+"""Deploy the completion server and turn its knobs in place, through Serve's declarative path.
+
+A plain ``serve.run(Dep.options(...).bind())`` restarts the replica on every
+call (Ray gives it a random code version) and kills in-flight streams. The
+declarative path (what ``serve deploy``, KubeRay and the dashboard's
+``PUT /api/serve/applications/`` send) pins the code version to the import
+path + runtime env + args; with those unchanged, a new ``user_config`` or
+``max_ongoing_requests`` is a lightweight update: the running replica's
+``reconfigure`` is called and nothing restarts. In process we reach that path
+the way the dashboard does: ``ServeControllerClient.deploy_apps`` →
+``ServeController.apply_config``.
+
+``apply_config`` replaces the whole set of declaratively deployed apps, so
+every call here reads the live set and changes only the one app it names.
+
+Each replica publishes the live config it applied (serving/app/server.py writes it to
+Ray's internal KV in ``reconfigure``); :func:`update_knobs` waits until every
+running replica reports the new version, so "returned" means "applied".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from metrics import names
+from metrics.observation import Slo
+from serving.app.config import (
+    DEFAULT_STREAM_EVENTS_PER_S,
+    DEFAULT_STREAM_INTERVAL_S,
+    DEPLOYMENT_NAME,
+    REPLICA_ENV_VARS,
+    LiveConfig,
+    ServerArgs,
+)
+from serving.app.replicas import POLL_S, DeployError, ReplicaState, wait_applied
+from serving.app.replicas import replica_pids as _replica_pids
+from serving.app.replicas import replica_states as _replica_states
+
+logger = logging.getLogger(__name__)
+
+IMPORT_PATH = "serving.app.server:app"
+DEFAULT_APP_NAME = "slotune"
+
+
+# Process environment for a Ray driver on a small machine (shared/FIELD-NOTES.md);
+# Ray's processes inherit it:
+# - no usage stats; metrics exported every second (the minimum);
+# - OMP_WAIT_POLICY=PASSIVE: spinning torch threads starve the other processes on
+#   2 cores (a replica's own policy is ServerArgs.omp_wait_policy);
+# - RAY_worker_niceness=0: Ray renices every worker process (replicas, the HTTP
+#   proxy) to 15 by default, so any ordinary process on the machine takes the CPU
+#   from the replica first; an SLO-serving replica whose latency the tuner measures
+#   must compete on equal terms (measured: the engine thread ran at nice 15 while
+#   the benchmark's in-process engine ran at 0);
+# - RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0: request handlers run on the
+#   replica's main event loop, which saves a cross-thread hop per streamed event
+#   (the handlers never block: the engine steps in its own thread). Two interleaved
+#   A/B runs on the loaded 2-core machine: 5 % less CPU per streamed token on the
+#   Serve path (4.62 -> 4.38 and 5.95 -> 5.67 ms); Ray's maintainers plan to make
+#   it the default (ray-project/ray#61226).
+RAY_ENV_DEFAULTS = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_metrics_report_interval_ms": "1000",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
+
+
+def ray_env_defaults() -> None:
+    """Set :data:`RAY_ENV_DEFAULTS` where the user has not set them (before ``ray.init``)."""
+    for k, v in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+
+def start_local_ray(
+    *, num_cpus: int, metrics_port: int, http_port: int, host: str = "127.0.0.1"
+) -> None:
+    """Start Ray and Serve in this process, as lean as the machine needs.
+
+    No dashboard, a 128 MiB object store, metrics on ``metrics_port`` (Ray's export
+    port), Serve's HTTP proxy on ``host:http_port`` without access logs. If Serve does
+    not start, Ray is shut down again before the error propagates.
+    """
+    ray_env_defaults()
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import LoggingConfig
+
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
+    try:
+        serve.start(
+            http_options=HTTPOptions(host=host, port=http_port),
+            logging_config=LoggingConfig(enable_access_log=False),
+        )
+    except BaseException:
+        ray.shutdown()
+        raise
+
+
+def _client() -> Any:
+    """The Serve controller client; starts Serve (loopback HTTP) if it is not running."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        serve.start(http_options={"host": "127.0.0.1"})
+        client = _get_global_client()
+    return client
+
+
+def _declarative_apps(client: Any) -> dict[str, dict[str, Any]]:
+    """Name → application config (dict) of every app deployed through the declarative path."""
+    import ray
+
+    configs = ray.get(client._controller.get_app_configs.remote())
+    return {name: cfg.model_dump(exclude_unset=True) for name, cfg in configs.items()}
+
+
+def _apply(client: Any, name: str, app_config: dict[str, Any]) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    apps = _declarative_apps(client)
+    apps[name] = app_config
+    schema = ServeDeploySchema.model_validate({"applications": list(apps.values())})
+    client.deploy_apps(schema)
+
+
+def _with_replica_env(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    env = dict(runtime_env or {})
+    env["env_vars"] = {**REPLICA_ENV_VARS, **(env.get("env_vars") or {})}
+    return env
+
+
+def app_config(
+    *,
+    name: str,
+    route_prefix: str,
+    args: ServerArgs,
+    live: LiveConfig,
+    max_ongoing_requests: int,
+    max_queued_requests: int,
+    num_replicas: int = 1,
+    runtime_env: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml).
+
+    ``runtime_env`` gets ``env_vars`` :data:`REPLICA_ENV_VARS` under the caller's own.
+    """
+    if not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
+        raise ValueError(f"max_ongoing_requests={max_ongoing_requests!r}: must be an integer >= 1")
+    if not isinstance(max_queued_requests, int) or not (
+        max_queued_requests == -1 or max_queued_requests >= 1
+    ):
+        raise ValueError(
+            f"max_queued_requests={max_queued_requests!r}: must be -1 (unbounded) or >= 1"
+        )
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas!r}: must be an integer >= 1")
+    if not route_prefix.startswith("/"):
+        raise ValueError(f"route_prefix={route_prefix!r}: must start with '/'")
+    if live.max_batch_size > args.max_slots:
+        raise ValueError(
+            f"max_batch_size={live.max_batch_size}: must be <= max_slots={args.max_slots}"
+        )
+    return {
+        "name": name,
+        "route_prefix": route_prefix,
+        "import_path": IMPORT_PATH,
+        "runtime_env": _with_replica_env(runtime_env),
+        "args": args.to_args(),
+        "deployments": [
+            {
+                "name": DEPLOYMENT_NAME,
+                "num_replicas": num_replicas,
+                "max_ongoing_requests": max_ongoing_requests,
+                "max_queued_requests": max_queued_requests,
+                "user_config": live.to_user_config(),
+            }
+        ],
+    }
+
+
+def deploy_app(
+    *,
+    model: str = "tiny",
+    max_batch_size: int = 8,
+    max_ongoing_requests: int = 16,
+    slo: Slo | None = None,
+    max_slots: int = 64,
+    max_queued_requests: int = 64,
+    name: str = DEFAULT_APP_NAME,
+    route_prefix: str = "/",
+    device: str = "cpu",
+    checkpoint: str | None = None,
+    max_len: int | None = None,
+    seed: int = 0,
+    torch_threads: int = 1,
+    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+    stream_events_per_s: float = DEFAULT_STREAM_EVENTS_PER_S,
+    omp_wait_policy: str | None = None,
+    num_replicas: int = 1,
+    runtime_env: dict[str, Any] | None = None,
+    timeout_s: float = 120.0,
+) -> None:
+    """Deploy (or update) the completion server app and wait until it serves.
+
+    Ray must be initialised; Serve is started on loopback if it is not running.
+    Changing ``model``/``max_slots``/``device``/``checkpoint``/``max_len``/``seed``/
+    ``torch_threads``/``stream_*``/``omp_wait_policy`` rebuilds the replicas; the
+    knobs alone update in place.
+    """
+    slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
+    args = ServerArgs(
+        model=model,
+        max_slots=max_slots,
+        device=device,
+        checkpoint=checkpoint,
+        max_len=max_len,
+        seed=seed,
+        torch_threads=torch_threads,
+        stream_interval_s=stream_interval_s,
+        stream_events_per_s=stream_events_per_s,
+        omp_wait_policy=omp_wait_policy,
+    )
+    live = LiveConfig(
+        max_batch_size=max_batch_size,
+        ttft_slo_s=slo.ttft_p99_s,
+        tpot_slo_s=slo.tpot_p99_s,
+        max_ongoing_requests=max_ongoing_requests,
+        version=uuid.uuid4().hex[:12],
+    )
+    cfg = app_config(
+        name=name,
+        route_prefix=route_prefix,
+        args=args,
+        live=live,
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests,
+        num_replicas=num_replicas,
+        runtime_env=runtime_env,
+    )
+    client = _client()
+    _apply(client, name, cfg)
+    logger.info("deploying app %r: %s", name, cfg)
+    wait_applied(client, name, live.version, num_replicas, timeout_s)
+
+
+def update_knobs(
+    *,
+    max_batch_size: int,
+    max_ongoing_requests: int,
+    slo: Slo | None = None,
+    max_queued_requests: int | None = None,
+    app_name: str = DEFAULT_APP_NAME,
+    timeout_s: float = 60.0,
+) -> None:
+    """Apply the batch limit, the admission limit (and the SLO) in place; wait until applied.
+
+    No replica restarts and in-flight streams continue: only ``user_config``,
+    ``max_ongoing_requests`` and ``max_queued_requests`` change. ``slo=None``
+    and ``max_queued_requests=None`` keep the current values.
+    """
+    client = _client()
+    apps = _declarative_apps(client)
+    if app_name not in apps:
+        raise DeployError(
+            f"app {app_name!r} was not deployed through the declarative path "
+            f"(deployed: {sorted(apps)}); deploy it with serving.app.deploy.deploy_app first"
+        )
+    cfg = apps[app_name]
+    dep = next(d for d in cfg["deployments"] if d["name"] == DEPLOYMENT_NAME)
+    old = LiveConfig.from_user_config(dep.get("user_config") or {"max_batch_size": 1})
+    slo = slo or old.slo
+    live = LiveConfig(
+        max_batch_size=max_batch_size,
+        ttft_slo_s=slo.ttft_p99_s,
+        tpot_slo_s=slo.tpot_p99_s,
+        max_ongoing_requests=max_ongoing_requests,
+        version=uuid.uuid4().hex[:12],
+    )
+    new = app_config(
+        name=app_name,
+        route_prefix=cfg.get("route_prefix", "/"),
+        args=ServerArgs.from_args(cfg.get("args")),
+        live=live,
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=(
+            dep.get("max_queued_requests", -1)
+            if max_queued_requests is None
+            else max_queued_requests
+        ),
+        num_replicas=dep.get("num_replicas", 1),
+        runtime_env=cfg.get("runtime_env"),
+    )
+    # The code version is the import path + runtime_env + args: send back exactly what
+    # is deployed (validated above), not it with today's defaults and env filled in, or
+    # an app deployed by an older slotune or a hand-written config would restart.
+    for key in ("args", "runtime_env"):
+        if key in cfg:
+            new[key] = cfg[key]
+        else:
+            new.pop(key, None)
+    _apply(client, app_name, new)
+    wait_applied(client, app_name, live.version, new["deployments"][0]["num_replicas"], timeout_s)
+
+
+def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None:
+    """Remove the app (and only it) from the declarative set; wait until it is gone."""
+    from ray.serve.schema import ServeDeploySchema
+
+    client = _client()
+    apps = _declarative_apps(client)
+    if name not in apps:
+        return
+    del apps[name]
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": list(apps.values())}))
+    deadline = time.monotonic() + timeout_s
+    while name in client.get_serve_details().get("applications", {}):
+        if time.monotonic() > deadline:
+            raise DeployError(f"app {name!r} still present after {timeout_s} s")
+        time.sleep(POLL_S)
+
+
+def replica_states(app_name: str = DEFAULT_APP_NAME) -> list[ReplicaState]:
+    """The running replicas of the app, each as it last reported itself."""
+    return _replica_states(_client(), app_name)
+
+
+def replica_pids(app_name: str = DEFAULT_APP_NAME) -> list[int]:
+    """Process ids of the app's running replicas (as Serve's controller reports them)."""
+    return _replica_pids(_client(), app_name)

@@ -1,0 +1,199 @@
+"""The metric contract (metrics/names.py) emitted from a Ray Serve replica.
+
+Ray exports ``ray.serve.metrics`` on its metrics export port with a ``ray_``
+prefix and the labels ``application``, ``deployment``, ``replica`` added (see
+docs/serving.md for the exact exported names). Ray gauges expire when not
+re-set, so :class:`GaugeRefresher` re-sets them from the engine's stats on a
+short period.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from metrics import names
+from metrics.observation import Slo
+
+logger = logging.getLogger(__name__)
+
+GAUGE_PERIOD_S = 0.5  # below Ray's 1 s minimum report interval
+
+
+class TimingLike(Protocol):
+    """What the engine's ``on_finish`` hands over (serving.engine.engine.RequestTiming)."""
+
+    ttft_s: float | None
+    tpot_s: float | None  # None for a single token
+    queue_wait_s: float | None
+    generated_tokens: int
+
+
+class StatsLike(Protocol):
+    """What ``AsyncEngine.stats()`` returns (serving.engine.engine.EngineStats)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    max_batch_size: int
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def slo_met(timing: TimingLike, slo: Slo) -> bool:
+    """Whether one finished request met BOTH the TTFT and the TPOT threshold.
+
+    A request with a single token has no inter-token time; it is judged on TTFT.
+    """
+    ttft_ok = _finite(timing.ttft_s) and timing.ttft_s <= slo.ttft_p99_s
+    if timing.generated_tokens < 2 or not _finite(timing.tpot_s):
+        return ttft_ok
+    return ttft_ok and timing.tpot_s <= slo.tpot_p99_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketLayout:
+    """Histogram bounds: the contract's cluster-wide layout (``metrics.names``).
+
+    Ray keeps the first layout registered under a name and drops later histograms of
+    that name with other bounds, so the layout must not depend on a replica's SLO. It
+    holds the defaults and the round SLO values exactly and is ≤10% apart elsewhere;
+    :meth:`exact_for` says whether an SLO's verdict is exact or bracketed.
+    """
+
+    ttft: tuple[float, ...] = names.TTFT_BUCKETS
+    tpot: tuple[float, ...] = names.TPOT_BUCKETS
+    queue_wait: tuple[float, ...] = names.QUEUE_WAIT_BUCKETS
+
+    @classmethod
+    def for_slo(cls, slo: Slo) -> BucketLayout:
+        layout = cls()
+        if not layout.exact_for(slo):
+            logger.warning(
+                "SLO (TTFT %s s, TPOT %s s) is not a bucket bound of the cluster-wide layout: "
+                "verdicts are bracketed by the neighbouring bounds (round values such as %s s "
+                "and %s s are exact)",
+                slo.ttft_p99_s,
+                slo.tpot_p99_s,
+                names.DEFAULT_TTFT_SLO_S,
+                names.DEFAULT_TPOT_SLO_S,
+            )
+        return layout
+
+    def exact_for(self, slo: Slo) -> bool:
+        return slo.ttft_p99_s in self.ttft and slo.tpot_p99_s in self.tpot
+
+
+class ServeMetrics:
+    """Histograms, counters and gauges of one replica, emitted through Ray.
+
+    ``metrics_module`` is ``ray.serve.metrics`` in a replica; tests may hand any
+    module with the same ``Counter``/``Gauge``/``Histogram`` classes.
+    """
+
+    def __init__(self, *, slo: Slo, metrics_module: Any = None) -> None:
+        if metrics_module is None:
+            from ray.serve import metrics as metrics_module
+        m = metrics_module
+        self.slo = slo
+        self.buckets = BucketLayout.for_slo(slo)
+        self.ttft = m.Histogram(
+            names.TTFT_SECONDS,
+            description="Time from arrival at the replica to the first token, seconds.",
+            boundaries=list(self.buckets.ttft),
+        )
+        self.tpot = m.Histogram(
+            names.TPOT_SECONDS,
+            description="Mean time per output token after the first, seconds.",
+            boundaries=list(self.buckets.tpot),
+        )
+        self.queue_wait = m.Histogram(
+            names.QUEUE_WAIT_SECONDS,
+            description="Time from arrival at the replica to the start of prefill, seconds.",
+            boundaries=list(self.buckets.queue_wait),
+        )
+        self.requests = m.Counter(
+            names.REQUESTS_TOTAL,
+            description="Completed requests, by whether they met both SLOs.",
+            tag_keys=(names.LABEL_SLO_MET,),
+        )
+        self.tokens = m.Counter(
+            names.GENERATED_TOKENS_TOTAL, description="Output tokens generated."
+        )
+        self.rejected = m.Counter(
+            names.REJECTED_TOTAL,
+            description="Requests refused by the replica, by reason.",
+            tag_keys=(names.LABEL_REASON,),
+        )
+        self.running = m.Gauge(names.RUNNING_REQUESTS, description="Requests in the batch.")
+        self.waiting = m.Gauge(names.WAITING_REQUESTS, description="Requests queued.")
+        self.kv_usage = m.Gauge(
+            names.KV_CACHE_USAGE_RATIO, description="Fraction of KV-cache slots in use."
+        )
+        self.max_batch = m.Gauge(names.MAX_BATCH_SIZE, description="Decode batch limit.")
+
+    def set_slo(self, slo: Slo) -> None:
+        self.slo = slo
+
+    def record_finish(self, timing: TimingLike) -> None:
+        """One completed request: latency histograms, slo_met counter, tokens."""
+        met = slo_met(timing, self.slo)
+        if _finite(timing.ttft_s):
+            self.ttft.observe(max(timing.ttft_s, 0.0))
+        if timing.generated_tokens >= 2 and _finite(timing.tpot_s):
+            self.tpot.observe(max(timing.tpot_s, 0.0))
+        if _finite(timing.queue_wait_s):
+            self.queue_wait.observe(max(timing.queue_wait_s, 0.0))
+        self.requests.inc(1, tags={names.LABEL_SLO_MET: "true" if met else "false"})
+        if timing.generated_tokens > 0:
+            self.tokens.inc(timing.generated_tokens)
+
+    def record_rejected(self, reason: str) -> None:
+        self.rejected.inc(1, tags={names.LABEL_REASON: reason})
+
+    def set_gauges(self, stats: StatsLike) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.max_batch.set(stats.max_batch_size)
+
+
+class GaugeRefresher:
+    """A daemon thread re-setting the gauges every ``period_s`` (Ray gauges expire)."""
+
+    def __init__(
+        self,
+        *,
+        metrics: ServeMetrics,
+        stats: Callable[[], StatsLike],
+        period_s: float = GAUGE_PERIOD_S,
+    ) -> None:
+        if not period_s > 0:
+            raise ValueError(f"period_s={period_s!r}: must be > 0")
+        self._metrics = metrics
+        self._stats = stats
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slotune-gauges", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self._period_s + 1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._metrics.set_gauges(self._stats())
+            except Exception:  # a transient failure: retried next period
+                logger.exception("could not refresh gauges")
+            self._stop.wait(self._period_s)

@@ -1,0 +1,323 @@
+"""The Ray Serve deployment: an OpenAI-compatible completion server over the engine.
+
+``import_path: serving.app.server:app`` (deploy/serve-config.yaml, KubeRay) names
+:func:`app`, an application builder: the config's ``args`` become
+:class:`ServerArgs` (changing them rebuilds the replica) and the deployment's
+``user_config`` becomes :class:`LiveConfig`, applied in place by
+``reconfigure`` (batch limit and SLO thresholds, no restart); both live in
+serving/app/config.py.
+
+Routes (relative to the route prefix):
+
+- ``POST /v1/completions``: OpenAI completions, SSE with ``stream: true``.
+- ``GET /v1/models``: the one served model.
+- ``GET /health``: 200 while the engine's step loop is alive.
+- ``GET /stats``: engine stats, pid, the applied live config, and what the process
+  runs with (torch threads, OMP_WAIT_POLICY, the engine thread's niceness) (JSON).
+
+Bad input is a 400 with an OpenAI-style JSON error body. Admission control is
+Ray Serve's: ``max_ongoing_requests`` per replica, and beyond
+``max_queued_requests`` the proxy answers 503 (retryable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.app import openai_api as oa
+from serving.app.config import (
+    DEPLOYMENT_NAME,
+    KV_NAMESPACE,
+    LiveConfig,
+    ServerArgs,
+    set_omp_wait_policy,
+)
+from serving.app.serve_metrics import GaugeRefresher, ServeMetrics
+
+logger = logging.getLogger(__name__)
+
+# Re-exported: serving/app/deploy.py, the controller and tests import them from here.
+
+
+def _json_error(e: oa.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@serve.deployment(
+    name=DEPLOYMENT_NAME,
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=16,
+    max_queued_requests=64,
+    graceful_shutdown_timeout_s=5,
+    health_check_period_s=5,
+)
+class CompletionServer:
+    """One replica: an :class:`serving.engine.engine.AsyncEngine` behind OpenAI routes."""
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        self.args = ServerArgs.from_args(args)
+        set_omp_wait_policy(self.args.omp_wait_policy)  # before torch loads OpenMP
+        from serving.engine.async_engine import AsyncEngine
+        from serving.model.config import ModelConfig
+
+        self.live = LiveConfig(max_batch_size=min(8, self.args.max_slots))
+        self.created = int(time.time())
+        self.pid = os.getpid()
+        self._metrics: ServeMetrics | None = None  # made on first use: see `metrics`
+        self._metrics_lock = threading.Lock()
+        self.gauges: GaugeRefresher | None = None
+        self.engine = AsyncEngine(
+            model_config=ModelConfig.from_name(self.args.model),
+            max_slots=self.args.max_slots,
+            max_batch_size=self.live.max_batch_size,
+            device=self.args.device,
+            checkpoint=self.args.checkpoint,
+            max_len=self.args.max_len,
+            seed=self.args.seed,
+            num_threads=self.args.torch_threads,  # Ray set OMP_NUM_THREADS=1: be explicit
+            events_per_s=self.args.stream_events_per_s or None,  # 0: no budget
+        )
+        self.engine.on_finish = self._on_finish
+        self.tokenizer = self.engine.tokenizer
+        eos = getattr(self.tokenizer, "eos_id", None)
+        self.stop_ids: tuple[int, ...] = () if eos is None else (eos,)
+        self.engine.start()
+        ctx = serve.get_replica_context()
+        self._kv_key = f"{ctx.app_name}/{ctx.replica_tag}".encode()
+        self._publish()
+        logger.info("replica %s up: pid %d, %s", ctx.replica_tag, self.pid, self.args)
+
+    @property
+    def metrics(self) -> ServeMetrics:
+        """Created at the first use, normally in the first ``reconfigure`` (Ray calls it
+        before any request), so the histogram bounds contain the deployed SLO."""
+        with self._metrics_lock:
+            if self._metrics is None:
+                self._metrics = ServeMetrics(slo=self.live.slo)
+                self.gauges = GaugeRefresher(metrics=self._metrics, stats=self.engine.stats)
+                self.gauges.start()
+            return self._metrics
+
+    # -- live knobs ---------------------------------------------------------
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        live = LiveConfig.from_user_config(user_config)
+        if live.max_batch_size > self.args.max_slots:
+            raise ValueError(
+                f"max_batch_size={live.max_batch_size}: must be <= max_slots="
+                f"{self.args.max_slots} (a restart with larger max_slots raises it)"
+            )
+        self.engine.set_max_batch_size(live.max_batch_size)
+        self.live = live
+        self.metrics.set_slo(live.slo)
+        self._publish()
+        logger.info("applied live config %s", live)
+
+    def _publish(self) -> None:
+        """Record what this replica applied where serving/app/deploy.py can read it."""
+        from ray.experimental import internal_kv
+
+        state = self.state()
+        # Inside reconfigure Ray has applied the new deployment config but not yet
+        # refreshed the replica context: report the mirror carried in user_config.
+        if self.live.max_ongoing_requests is not None:
+            state["max_ongoing_requests"] = self.live.max_ongoing_requests
+        internal_kv._internal_kv_put(
+            self._kv_key, json.dumps(state).encode(), namespace=KV_NAMESPACE
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Pid, applied live config and Ray's current ``max_ongoing_requests``."""
+        ctx = serve.get_replica_context()
+        return {
+            "pid": self.pid,
+            "replica": ctx.replica_tag,
+            "live": self.live.to_user_config(),
+            "max_ongoing_requests": ctx._deployment_config.max_ongoing_requests,
+            "args": self.args.to_args(),
+        }
+
+    def runtime(self) -> dict[str, Any]:
+        """What the replica's process actually runs with (threads, OpenMP, niceness).
+
+        Niceness is per thread on Linux: this is the engine thread's (Ray renices
+        its workers to 15 unless ``RAY_worker_niceness=0``; serving/app/deploy.py).
+        """
+        import torch
+        from ray.serve._private import constants
+
+        tid = self.engine.native_thread_id
+        return {
+            # False when RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 reached the replica.
+            "user_code_in_separate_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "engine_thread_niceness": None if tid is None else os.getpriority(os.PRIO_PROCESS, tid),
+            # Whether decode attention and RMSNorm run the C kernels (serving/kernels/cpu_kernels.py).
+            "cpu_kernels": self.engine.engine.cpu_kernels,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_usage": s.kv_usage,
+            "max_batch_size": s.max_batch_size,
+            **self.state(),
+            "runtime": self.runtime(),
+        }
+
+    def check_health(self) -> None:
+        """Ray calls this periodically; raising marks the replica unhealthy."""
+        thread = getattr(self.engine, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the engine's step loop has stopped")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.gauges is not None:
+                self.gauges.stop()
+        with contextlib.suppress(Exception):
+            self.engine.stop()
+        with contextlib.suppress(Exception):
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_del(self._kv_key, namespace=KV_NAMESPACE)
+
+    def _on_finish(self, timing: Any) -> None:
+        try:
+            self.metrics.record_finish(timing)
+        except Exception:
+            logger.exception("could not record metrics for %s", timing)
+
+    # -- HTTP ---------------------------------------------------------------
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        path = path.rstrip("/") or "/"
+        method = request.method
+        if path == "/v1/completions":
+            if method != "POST":
+                return _json_error(oa.ApiError(f"{method} {path}: use POST", status=405))
+            return await self._completions(request)
+        if method != "GET":
+            return _json_error(oa.ApiError(f"{method} {path}: not allowed", status=405))
+        if path == "/v1/models":
+            return JSONResponse(oa.models_body(self.args.served_name, created=self.created))
+        if path in ("/health", "/healthz"):
+            self.check_health()
+            return JSONResponse({"status": "ok"})
+        if path == "/stats":
+            return JSONResponse(self.stats())
+        return _json_error(oa.ApiError(f"no route {path}", status=404, type="not_found"))
+
+    async def _completions(self, request: Request) -> Response:
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise oa.ApiError(f"request body is not valid JSON: {e}") from None
+            req = oa.parse_completion_request(body, served_model=self.args.served_name)
+            if isinstance(req.prompt, str):
+                prompt_ids = list(self.tokenizer.encode(req.prompt))
+            else:
+                prompt_ids = list(req.prompt)
+            try:
+                self.engine.validate(prompt_ids, req.max_tokens)
+            except ValueError as e:
+                raise oa.ApiError(str(e), param="prompt") from None
+        except oa.ApiError as e:
+            self.metrics.record_rejected("bad_request")
+            return _json_error(e)
+        cid = oa.new_completion_id()
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, prompt_ids, cid), media_type=oa.SSE_MEDIA_TYPE
+            )
+        return await self._complete(req, prompt_ids, cid)
+
+    def _generate(
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, *, flush_interval_s: float
+    ):
+        """Lists of token ids as the engine thread hands them over: the first at once,
+        then at most one list per ``flush_interval_s``, the end at once."""
+        return self.engine.generate_chunks(
+            prompt_ids,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            request_id=cid,
+            stop_ids=self.stop_ids,
+            flush_interval_s=flush_interval_s,
+        )
+
+    async def _complete(
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
+    ) -> Response:
+        ids: list[int] = []
+        # aclosing: a cancelled request (client gone) aborts the engine request
+        # and frees its KV slot at once. Nothing is sent before the end: the engine
+        # thread holds the tokens (inf) and wakes this handler only to finish.
+        gen = self._generate(req, prompt_ids, cid, flush_interval_s=math.inf)
+        async with contextlib.aclosing(gen) as chunks:
+            async for chunk in chunks:
+                ids += chunk
+        body = oa.completion_body(
+            completion_id=cid,
+            model=self.args.served_name,
+            text=self.tokenizer.decode(ids),
+            finish=oa.finish_reason(len(ids), req.max_tokens),
+            created=int(time.time()),
+            usage_=oa.usage(len(prompt_ids), len(ids)),
+        )
+        return JSONResponse(body)
+
+    async def _stream(
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
+    ) -> AsyncIterator[bytes]:
+        # aclosing: a cancelled request (client gone) aborts the engine request
+        # and frees its KV slot at once. The engine thread paces the stream (one
+        # hand-over per stream_interval_s after the first token), so every chunk
+        # that reaches this handler goes out as one event.
+        gen = self._generate(req, prompt_ids, cid, flush_interval_s=self.args.stream_interval_s)
+        async with contextlib.aclosing(gen) as chunks:
+            try:
+                async for event in oa.sse_completion_stream(
+                    chunks,
+                    decode=self.tokenizer.decode,
+                    completion_id=cid,
+                    model=self.args.served_name,
+                    max_tokens=req.max_tokens,
+                    prompt_tokens=len(prompt_ids),
+                    include_usage=req.include_usage,
+                    interval_s=0.0,
+                    # tokens that end inside a character: the next one at once, so
+                    # pacing never holds text (the first included) past its interval
+                    on_incomplete=lambda: self.engine.flush_next(cid),
+                ):
+                    yield event
+            except asyncio.CancelledError:
+                logger.info("request %s cancelled (client gone)", cid)
+                raise
+
+
+def app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Application builder for ``import_path: serving.app.server:app``; ``args`` → ServerArgs."""
+    server_args = ServerArgs.from_args(args)  # fail early, in the build task
+    return CompletionServer.bind(server_args.to_args())

@@ -1,0 +1,1 @@
+"""The engine: scheduler plus torch executor, and its asyncio face."""

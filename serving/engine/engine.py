@@ -1,0 +1,273 @@
+"""The continuous-batching engine: the pure scheduler plus a torch executor.
+
+:class:`Engine` is synchronous: ``step()`` is one schedule / execute / update
+round (serving/scheduler/scheduler.py documents the policy: all prefilled requests decode
+every step, prompts are prefilled in chunks of at most ``prefill_chunk`` tokens
+per step). :class:`serving.engine.async_engine.AsyncEngine` runs ``Engine.step`` in a
+background thread and streams tokens to asyncio consumers.
+
+The executor (serving/engine/executor.py) runs the model for a plan.
+
+Threads (FIELD-NOTES): torch's intra-op pool is set with ``torch.set_num_threads``
+(``num_threads``; None keeps what the process set, as the Ray app sets it
+itself). Ray sets ``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so
+the setting must be explicit somewhere. With another busy process on the same
+cores, spinning OpenMP workers made a 2-thread decode step up to 100x slower:
+set ``OMP_WAIT_POLICY=PASSIVE`` in the process environment before torch starts
+its thread pool on shared cores; ACTIVE (spinning) made a 2-thread step about
+twice as fast on a quiet machine, for cores the process has to itself. The Ray
+app sets it from ``ServerArgs.omp_wait_policy``; the engine warns when more than
+one thread runs with neither chosen.
+
+Timings use ``clock`` (``time.monotonic`` by default): arrival when a request is
+added, admission at the start of the step that first schedules it, and first/
+last token at the end of the step that sampled them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from serving.engine.executor import TorchExecutor
+from serving.model.checkpoint import load_checkpoint
+from serving.model.config import ModelConfig
+from serving.model.tokenizer import Tokenizer, load_tokenizer
+from serving.model.transformer import Transformer
+from serving.scheduler.plan import Finished, SchedulerConfig, SeqRequest, StepPlan
+from serving.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+DEFAULT_MAX_LEN = 512
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads (None: keep the process's setting); returns the count."""
+    if num_threads is not None and (
+        not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+    ):
+        raise ValueError(f"num_threads={num_threads!r}: must be a positive integer")
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    n = torch.get_num_threads()
+    if n < len(os.sched_getaffinity(0)):
+        logger.info("torch uses %d of %d CPUs", n, len(os.sched_getaffinity(0)))
+    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
+    if n > 1 and policy == "ACTIVE":
+        logger.info("OMP_WAIT_POLICY=ACTIVE: fastest on cores this process has to itself")
+    elif n > 1 and policy != "PASSIVE":
+        logger.warning(
+            "OMP_WAIT_POLICY is %s: with other work on these cores, spinning OpenMP "
+            "threads can slow decode steps many times over; choose PASSIVE (shared "
+            "cores) or ACTIVE (cores this process owns) deliberately",
+            policy or "unset",
+        )
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV slots held
+    max_batch_size: int
+    max_slots: int
+    steps: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    tokens: dict[str, int]  # request id -> token sampled this step
+    finished: list[Finished]
+    plan: StepPlan
+
+
+class Engine:
+    """Scheduler + torch executor, synchronous and thread-safe between steps.
+
+    ``add_request``/``abort``/``set_max_batch_size``/``stats`` may be called
+    from other threads while ``step`` runs: they take a lock that ``step``
+    holds only while scheduling and updating, never while the model runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig | None = None,
+        max_slots: int,
+        max_batch_size: int,
+        max_len: int | None = None,
+        prefill_chunk: int = 256,
+        device: str = "cpu",
+        checkpoint: str | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        num_threads: int | None = None,
+        prepack: bool = True,
+        cpu_kernels: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available here")
+        if device == "cpu":
+            self.num_threads = configure_threads(num_threads)
+        if checkpoint is not None:
+            self.model = load_checkpoint(checkpoint, dtype=dtype, device=device)
+        elif model_config is not None:
+            cfg = model_config if dtype is None else model_config.replace(dtype=dtype)
+            self.model = Transformer.random(cfg, seed=seed, device=device)
+        else:
+            raise ValueError("Engine needs model_config or checkpoint")
+        self.config = self.model.config
+        self.device = torch.device(device)
+        # Kernels first: where their small GEMM serves a linear, prepack makes no fp32 copy.
+        self.cpu_kernels = self.model.use_cpu_kernels(cpu_kernels)
+        self.prepacked = self.model.prepack(prepack)
+        max_len = max_len or min(self.config.max_position, DEFAULT_MAX_LEN)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_slots=max_slots,
+                max_batch_size=max_batch_size,
+                max_len=max_len,
+                prefill_chunk=prefill_chunk,
+            )
+        )
+        self.max_len = max_len
+        self.model.allocate_cache(max_slots, max_len)
+        self.executor = TorchExecutor(
+            model=self.model, device=self.device, max_len=max_len, seed=seed
+        )
+        self.tokenizer: Tokenizer = load_tokenizer(checkpoint, vocab_size=self.config.vocab_size)
+        self.clock = clock
+        self._temps: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._steps = 0
+        self._generated = 0
+
+    # ---- requests ----------------------------------------------------------------
+    def validate(self, prompt_ids: object, max_tokens: object, temperature: object = 0.0) -> None:
+        """ValueError naming the bad value if the request cannot be served."""
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        v = self.config.vocab_size
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+                raise ValueError(f"prompt token {t!r}: must be an integer in 0..{v - 1}")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+            raise ValueError(f"temperature={temperature!r}: must be a number")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0")
+        self.scheduler.validate(len(prompt_ids), max_tokens)
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        request_id: str | None = None,
+        stop_ids: Sequence[int] = (),
+        arrival_s: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. ValueError on bad input (nothing else changes)."""
+        self.validate(list(prompt_ids), max_tokens, temperature)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = SeqRequest(
+            request_id=rid,
+            prompt_len=len(prompt_ids),
+            max_tokens=max_tokens,
+            arrival_s=self.clock() if arrival_s is None else arrival_s,
+            prompt_ids=tuple(prompt_ids),
+            stop_ids=frozenset(stop_ids),
+        )
+        with self._lock:
+            self.scheduler.add(req)
+            self._temps[rid] = float(temperature)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; its KV slot is free for the next step."""
+        with self._lock:
+            self._temps.pop(request_id, None)
+            return self.scheduler.abort(request_id)
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (after a failed step); returns their ids."""
+        with self._lock:
+            ids = self.scheduler.active_ids()
+            for rid in ids:
+                self.scheduler.abort(rid)
+            self._temps.clear()
+            return ids
+
+    def set_max_batch_size(self, n: int) -> None:
+        with self._lock:
+            self.scheduler.set_max_batch_size(n)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler
+            return EngineStats(
+                running=s.num_running,
+                waiting=s.num_waiting,
+                kv_usage=s.kv_usage,
+                max_batch_size=s.max_batch_size,
+                max_slots=s.config.max_slots,
+                steps=self._steps,
+                generated_tokens=self._generated,
+            )
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """One schedule / execute / update round."""
+        with self._lock:
+            plan = self.scheduler.schedule(now_s=self.clock())
+            temps = {rid: self._temps.get(rid, 0.0) for rid in plan.sampling_ids()}
+        tokens = self.execute(plan, temps) if not plan.is_empty else {}
+        with self._lock:
+            finished = self.scheduler.update(plan, tokens, now_s=self.clock())
+            for f in finished:
+                self._temps.pop(f.request_id, None)
+            self._steps += 1
+            self._generated += len(tokens)
+        return StepOutput(tokens=tokens, finished=finished, plan=plan)
+
+    def execute(self, plan: StepPlan, temps: dict[str, float]) -> dict[str, int]:
+        """Run the model for one plan (see serving/engine/executor.py)."""
+        return self.executor.execute(plan, temps)
+
+    # ---- conveniences ----------------------------------------------------------------
+    def run_until_idle(self, max_steps: int = 1_000_000) -> list[Finished]:
+        """Step until no request is left; returns everything that finished."""
+        done: list[Finished] = []
+        for _ in range(max_steps):
+            if not self.has_work:
+                break
+            done += self.step().finished
+        return done
+
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, **kw: Any) -> list[int]:
+        """Generate for one prompt synchronously (the engine must have no other work)."""
+        rid = self.add_request(prompt_ids, max_tokens=max_tokens, **kw)
+        for f in self.run_until_idle():
+            if f.request_id == rid:
+                return list(f.output_ids)
+        raise RuntimeError(f"request {rid} did not finish")

@@ -1,0 +1,1 @@
+"""The Llama-style torch decoder: config, layers, linears, checkpoints, tokenizer, sampling."""

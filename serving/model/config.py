@@ -1,0 +1,141 @@
+"""Model configuration: a Llama-style decoder, with named presets.
+
+Presets (parameter counts include the untied embedding and LM head):
+
+- ``tiny``: d_model 256, 4 layers, 8 heads, 4 KV heads, head_dim 32, vocab
+  512 (bytes + specials), SwiGLU intermediate 768: ~3.4M parameters, for tests.
+- ``small``: d_model 768, 12 layers, 12 heads, 4 KV heads, head_dim 64, vocab
+  32000, SwiGLU intermediate 2048: ~125M parameters, ~100M of which are read
+  per decode step (layers + LM head; the embedding is a row lookup), 200 MB in
+  bf16: far more than the ~64 MiB fast cache, so decode is memory-bound. The
+  same numbers are the roofline catalog's ``slotune-small`` (search/roofline/models.py).
+
+dtype: the demo runs **bfloat16**: decode reads half the bytes of fp32. On a CPU with
+bf16 matmul hardware (AMX, avx512_bf16) bf16 GEMMs are native and the decode curve is
+smooth with a knee where the roofline puts it; on one without (AVX2 only) the weights
+stay bf16 and the GEMMs multiply in fp32 (docs/serving.md "CPU kernels"). fp32 is
+supported but has a GEMM-kernel cliff (MKL small-M kernels: step time doubles between
+batch 2 and 4) that is an artefact of the library, not the roofline. On CUDA bf16 is
+the natural choice too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "custom"
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int = 2048  # longest context RoPE tables cover
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: str = "bfloat16"
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for f in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position",
+        ):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f}={v!r}: must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: must be even (rotary embeddings)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise ValueError(
+                f"rope_theta={self.rope_theta!r}, norm_eps={self.norm_eps!r}: must be positive"
+            )
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
+        if name not in PRESETS:
+            raise ValueError(f"model preset {name!r}: must be one of {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- sizes the roofline and the tests use ----------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        d, i = self.d_model, self.intermediate_size
+        attn = d * self.q_dim * 2 + d * self.kv_dim * 2
+        return attn + 3 * d * i + 2 * d  # + two RMSNorm weights
+
+    @property
+    def n_params(self) -> int:
+        embed = self.vocab_size * self.d_model
+        head = 0 if self.tie_embeddings else embed
+        return embed + head + self.n_layers * self.layer_params + self.d_model
+
+    @property
+    def decode_params(self) -> int:
+        """Parameters read once per decode step: all but the embedding table."""
+        return self.n_layers * self.layer_params + self.d_model + self.vocab_size * self.d_model
+
+    @property
+    def bytes_per_param(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_dim * self.bytes_per_param
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny",
+        vocab_size=512,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        intermediate_size=768,
+        max_position=1024,
+    ),
+    "small": ModelConfig(
+        name="small",
+        vocab_size=32000,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        head_dim=64,
+        intermediate_size=2048,
+        max_position=2048,
+    ),
+}
