@@ -113,7 +113,7 @@ def observation_from_requests(
     if np.isnan(ttft).any():
         raise ValueError("ttft_s contains NaN: every completed request has a first token")
     has_tpot = ~np.isnan(tpot)  # [n]
-    met = (ttft <= slo.ttft_p99_s) & (~has_tpot | (tpot <= slo.tpot_p99_s))  # [n]
+    met = slo.met(ttft, tpot)  # [n]
     tpot_known = tpot[has_tpot]  # [m]
     q = slo.quantile
     return Observation(

@@ -11,6 +11,8 @@ import math
 import re
 from collections.abc import Iterable
 
+from metrics.observation import DEFAULT_SLO
+
 PREFIX = "slotune_"
 RAY_PREFIX = "ray_"
 
@@ -50,10 +52,6 @@ LABEL_VERDICT = "verdict"  # a metrics.observation.Verdict value
 HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS)
 COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL)
 GAUGES = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_CACHE_USAGE_RATIO, MAX_BATCH_SIZE)
-
-# Default SLO thresholds the default bucket layouts contain exactly.
-DEFAULT_TTFT_SLO_S = 1.0
-DEFAULT_TPOT_SLO_S = 0.1
 
 # Neighbouring bucket bounds are at most this ratio apart everywhere in range...
 MAX_BUCKET_RATIO = 1.1
@@ -160,6 +158,6 @@ def cluster_buckets(default_s: float, standard_s: Iterable[float]) -> tuple[floa
     return tuple(sorted(set(slo_buckets([default_s])) | {float(t) for t in standard_s}))
 
 
-TTFT_BUCKETS = cluster_buckets(DEFAULT_TTFT_SLO_S, STANDARD_TTFT_SLOS_S)
-TPOT_BUCKETS = cluster_buckets(DEFAULT_TPOT_SLO_S, STANDARD_TPOT_SLOS_S)
+TTFT_BUCKETS = cluster_buckets(DEFAULT_SLO.ttft_p99_s, STANDARD_TTFT_SLOS_S)
+TPOT_BUCKETS = cluster_buckets(DEFAULT_SLO.tpot_p99_s, STANDARD_TPOT_SLOS_S)
 QUEUE_WAIT_BUCKETS = TTFT_BUCKETS

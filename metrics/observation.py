@@ -5,6 +5,11 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, overload
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +27,27 @@ class Slo:
                 raise ValueError(f"{name}={v!r}: must be a positive number of seconds")
         if not 0 < self.quantile < 1:
             raise ValueError(f"quantile={self.quantile!r}: must be in (0, 1)")
+
+    @overload
+    def met(self, ttft_s: float, tpot_s: float) -> bool: ...
+    @overload
+    def met(
+        self, ttft_s: NDArray[np.float64], tpot_s: NDArray[np.float64]
+    ) -> NDArray[np.bool_]: ...
+    def met(self, ttft_s: Any, tpot_s: Any) -> Any:
+        """Whether a request met BOTH thresholds: the per-request rule behind goodput.
+
+        ``ttft_s <= ttft_p99_s`` and ``tpot_s <= tpot_p99_s``, where a NaN TPOT means the
+        request has no inter-token time (a single token) and is judged on TTFT alone; a NaN
+        TTFT (no first token) never meets. Works on floats and, elementwise, on numpy arrays.
+        """
+        # x != x is NaN's test for a float and for an array alike.
+        return (ttft_s <= self.ttft_p99_s) & ((tpot_s != tpot_s) | (tpot_s <= self.tpot_p99_s))
+
+
+# The SLO a deployment gets when none is given; the cluster-wide histogram layouts
+# (metrics/names.py) are finest around it.
+DEFAULT_SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
 
 
 class Verdict(str, enum.Enum):

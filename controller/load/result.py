@@ -88,17 +88,14 @@ class LoadResult:
 def client_observation(result: LoadResult, slo: Slo, *, confidence: float = 0.95) -> Observation:
     """The load generator's own Observation of a window (the cross-check of the server's).
 
-    TTFT samples: every completed request; TPOT samples: those with ≥ 2 tokens. A request
-    met the SLO when its TTFT and (if it has one) its TPOT are within the thresholds.
+    TTFT samples: every completed request; TPOT samples: those with ≥ 2 tokens. Goodput
+    counts the requests that met the SLO (:meth:`metrics.observation.Slo.met`).
     Percentiles and verdicts come from :mod:`metrics.samples` (exact, from raw samples).
     """
     ok = [r for r in result.records if r.ok]
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
-    met = sum(
-        r.ttft_s <= slo.ttft_p99_s and (math.isnan(r.tpot_s) or r.tpot_s <= slo.tpot_p99_s)
-        for r in ok
-    )
+    met = sum(slo.met(r.ttft_s, r.tpot_s) for r in ok)
     q = slo.quantile
 
     def pct(xs: list[float]) -> Percentiles:

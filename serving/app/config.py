@@ -14,8 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from metrics import names
-from metrics.observation import Slo
+from metrics.observation import DEFAULT_SLO, Slo
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +133,8 @@ class LiveConfig:
     """
 
     max_batch_size: int
-    ttft_slo_s: float = names.DEFAULT_TTFT_SLO_S
-    tpot_slo_s: float = names.DEFAULT_TPOT_SLO_S
+    ttft_slo_s: float = DEFAULT_SLO.ttft_p99_s
+    tpot_slo_s: float = DEFAULT_SLO.tpot_p99_s
     max_ongoing_requests: int | None = None
     version: str = ""
 

@@ -26,8 +26,7 @@ import time
 import uuid
 from typing import Any
 
-from metrics import names
-from metrics.observation import Slo
+from metrics.observation import DEFAULT_SLO, Slo
 from serving.app.config import (
     DEFAULT_STREAM_EVENTS_PER_S,
     DEFAULT_STREAM_INTERVAL_S,
@@ -222,7 +221,7 @@ def deploy_app(
     ``torch_threads``/``stream_*``/``omp_wait_policy`` rebuilds the replicas; the
     knobs alone update in place.
     """
-    slo = slo or Slo(ttft_p99_s=names.DEFAULT_TTFT_SLO_S, tpot_p99_s=names.DEFAULT_TPOT_SLO_S)
+    slo = slo or DEFAULT_SLO
     args = ServerArgs(
         model=model,
         max_slots=max_slots,

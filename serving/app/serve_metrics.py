@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from metrics import names
-from metrics.observation import Slo
+from metrics.observation import DEFAULT_SLO, Slo
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,10 @@ def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
-def slo_met(timing: TimingLike, slo: Slo) -> bool:
-    """Whether one finished request met BOTH the TTFT and the TPOT threshold.
-
-    A request with a single token has no inter-token time; it is judged on TTFT.
-    """
-    ttft_ok = _finite(timing.ttft_s) and timing.ttft_s <= slo.ttft_p99_s
-    if timing.generated_tokens < 2 or not _finite(timing.tpot_s):
-        return ttft_ok
-    return ttft_ok and timing.tpot_s <= slo.tpot_p99_s
+def _tpot(timing: TimingLike) -> float:
+    """The request's TPOT, NaN when it has none (a single token, or not known)."""
+    t = timing.tpot_s
+    return t if timing.generated_tokens >= 2 and _finite(t) else math.nan  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +76,8 @@ class BucketLayout:
                 "and %s s are exact)",
                 slo.ttft_p99_s,
                 slo.tpot_p99_s,
-                names.DEFAULT_TTFT_SLO_S,
-                names.DEFAULT_TPOT_SLO_S,
+                DEFAULT_SLO.ttft_p99_s,
+                DEFAULT_SLO.tpot_p99_s,
             )
         return layout
 
@@ -143,11 +138,13 @@ class ServeMetrics:
 
     def record_finish(self, timing: TimingLike) -> None:
         """One completed request: latency histograms, slo_met counter, tokens."""
-        met = slo_met(timing, self.slo)
-        if _finite(timing.ttft_s):
-            self.ttft.observe(max(timing.ttft_s, 0.0))
-        if timing.generated_tokens >= 2 and _finite(timing.tpot_s):
-            self.tpot.observe(max(timing.tpot_s, 0.0))
+        ttft = timing.ttft_s
+        tpot = _tpot(timing)
+        met = self.slo.met(ttft if _finite(ttft) else math.nan, tpot)  # type: ignore[arg-type]
+        if _finite(ttft):
+            self.ttft.observe(max(ttft, 0.0))
+        if not math.isnan(tpot):
+            self.tpot.observe(max(tpot, 0.0))
         if _finite(timing.queue_wait_s):
             self.queue_wait.observe(max(timing.queue_wait_s, 0.0))
         self.requests.inc(1, tags={names.LABEL_SLO_MET: "true" if met else "false"})

@@ -166,7 +166,7 @@ class CompletionServer:
             "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "engine_thread_niceness": None if tid is None else os.getpriority(os.PRIO_PROCESS, tid),
-            # Whether decode attention and RMSNorm run the C kernels (serving/kernels/cpu_kernels.py).
+            # Whether decode attention and RMSNorm run the C kernels (serving.kernels.cpu_kernels).
             "cpu_kernels": self.engine.engine.cpu_kernels,
         }
 

@@ -36,7 +36,7 @@ class Linear(nn.Linear):
     # An fp32 copy of the weight where bf16 matmuls are not native here (widens_bf16): the
     # linear then multiplies in fp32 and rounds to bf16 once. Set by Transformer.prepack.
     w32: torch.Tensor | None = None
-    # serving/kernels/cpu_kernels.py and its copies of the weight, set by Transformer.use_cpu_kernels:
+    # serving.kernels.cpu_kernels and its copies of the weight, set by Transformer.use_cpu_kernels:
     # the GEMV's (rows8), used for up to ``kernels.gemv_rows`` rows of input (decode at small
     # batch), and the AVX2 small GEMM's (cols16), used for more rows where it is built.
     kernels: Any = None

@@ -1,4 +1,4 @@
-"""The scheduler's state and its requests' book-keeping (serving/scheduler/scheduler.py plans steps).
+"""The scheduler's state and its requests' book-keeping (serving.scheduler.scheduler plans steps).
 
 :class:`SchedulerState` holds what the continuous-batching scheduler knows between
 steps: the FIFO queue, the running set (prefilling, decoding), free KV slots, the

@@ -1,1 +1,1 @@
-"""The discrete-event simulator: the real scheduler on a virtual clock, with a step-time function handed in."""
+"""The discrete-event simulator: the real scheduler on a virtual clock, given a step time."""

@@ -103,9 +103,9 @@ def observation_from_timings(
     ttft_a = first - arrival  # [n]
     has_tpot = generated >= 2  # [n]
     tpot_a = (last[has_tpot] - first[has_tpot]) / (generated[has_tpot] - 1)  # [m]
-    tpot_ok = np.ones(len(timings), dtype=bool)  # [n]
-    tpot_ok[has_tpot] = tpot_a <= slo.tpot_p99_s
-    met = int(np.count_nonzero((ttft_a <= slo.ttft_p99_s) & tpot_ok))
+    tpot_all = np.full(len(timings), np.nan)  # [n], NaN: a single token, no TPOT
+    tpot_all[has_tpot] = tpot_a
+    met = int(np.count_nonzero(slo.met(ttft_a, tpot_all)))
     ttft = np.sort(ttft_a)  # [n]
     tpot = np.sort(tpot_a)  # [m]
     q = slo.quantile

@@ -8,7 +8,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from metrics import names
-from metrics.observation import Slo
+from metrics.observation import DEFAULT_SLO, Slo
 
 LABELS = ("application", "deployment", "replica")
 
@@ -21,11 +21,11 @@ class Emitter:
         reg, ln = self.registry, list(labelnames)
         self.ttft = Histogram(
             prefix + names.TTFT_SECONDS, "ttft", ln, registry=reg,
-            buckets=names.slo_buckets([names.DEFAULT_TTFT_SLO_S, slo.ttft_p99_s]),
+            buckets=names.slo_buckets([DEFAULT_SLO.ttft_p99_s, slo.ttft_p99_s]),
         )  # fmt: skip
         self.tpot = Histogram(
             prefix + names.TPOT_SECONDS, "tpot", ln, registry=reg,
-            buckets=names.slo_buckets([names.DEFAULT_TPOT_SLO_S, slo.tpot_p99_s]),
+            buckets=names.slo_buckets([DEFAULT_SLO.tpot_p99_s, slo.tpot_p99_s]),
         )  # fmt: skip
         self.requests = Counter(
             prefix + names.REQUESTS_TOTAL, "requests", [*ln, names.LABEL_SLO_MET], registry=reg
@@ -45,7 +45,7 @@ class Emitter:
         self.rejected.labels(**labels, reason="queue_full")
 
     def record(self, ttft: float, tpot: float, tokens: int, **labels: str) -> bool:
-        met = ttft <= self.slo.ttft_p99_s and tpot <= self.slo.tpot_p99_s
+        met = bool(self.slo.met(ttft, tpot))
         self.ttft.labels(**labels).observe(ttft)
         self.tpot.labels(**labels).observe(tpot)
         self.requests.labels(**labels, slo_met="true" if met else "false").inc()

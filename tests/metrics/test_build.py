@@ -54,3 +54,21 @@ def test_from_histograms_rounds_extrapolated_counts_and_keeps_nan_when_unknown()
         observation_from_histograms(
             slo=SLO, start_s=0, end_s=1, met=math.nan, missed=0, ttft_buckets={}, tpot_buckets={}
         )
+
+
+@pytest.mark.parametrize(
+    ("ttft", "tpot", "met"),
+    [
+        (0.5, 0.05, True),
+        (1.0, 0.1, True),  # at the threshold meets it
+        (1.1, 0.05, False),
+        (0.5, 0.2, False),
+        (0.5, math.nan, True),  # a single token: judged on TTFT alone
+        (1.1, math.nan, False),
+        (math.nan, 0.05, False),  # no first token never meets
+    ],
+)
+def test_slo_met_is_one_rule_for_floats_and_arrays(ttft: float, tpot: float, met: bool) -> None:
+    assert SLO.met(ttft, tpot) is met
+    both = SLO.met(np.array([ttft, 0.5]), np.array([tpot, 0.05]))
+    assert both.dtype == bool and both.tolist() == [met, True]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from metrics import names
+from metrics.observation import DEFAULT_SLO
 from metrics.quantile import histogram_quantile
 from metrics.samples import exact_quantile
 
@@ -36,7 +37,7 @@ def test_default_layout_p99_within_5pct_near_the_slo(seed: int) -> None:
     # The accuracy bar, on one realistic window (2,000 requests); the full sweep is
     # bench/metrics_accuracy.py.
     rng = np.random.default_rng(seed)
-    bounds = names.slo_buckets([names.DEFAULT_TTFT_SLO_S])
+    bounds = names.slo_buckets([DEFAULT_SLO.ttft_p99_s])
     raw = np.concatenate([rng.lognormal(0, 0.3, 1970), 5 * rng.lognormal(0, 0.3, 30)])
     for f in (0.8, 0.9, 1.0, 1.1, 1.25):
         x = np.sort(raw * (f / exact_quantile(raw, 0.99)))

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from metrics import names
-from metrics.observation import Slo
+from metrics.observation import DEFAULT_SLO, Slo
 from serving.app import openai_api as oa
-from serving.app.serve_metrics import BucketLayout, GaugeRefresher, ServeMetrics, slo_met
+from serving.app.serve_metrics import BucketLayout, GaugeRefresher, ServeMetrics
 
 # -- request parsing ------------------------------------------------------------
 
@@ -181,13 +181,15 @@ def timing(ttft: float, tpot: float | None, n: int) -> SimpleNamespace:
     ],
 )
 def test_slo_met_needs_both_thresholds(t: SimpleNamespace, met: bool) -> None:
-    assert slo_met(t, SLO) is met
+    m = ServeMetrics(slo=SLO, metrics_module=FAKE)
+    m.record_finish(t)
+    assert m.requests.calls[-1][2] == {"slo_met": "true" if met else "false"}
 
 
 def test_bucket_layout_contains_the_slo_and_defaults() -> None:
     b = BucketLayout.for_slo(SLO)
-    assert {0.5, names.DEFAULT_TTFT_SLO_S} <= set(b.ttft)
-    assert {0.05, names.DEFAULT_TPOT_SLO_S} <= set(b.tpot)
+    assert {0.5, DEFAULT_SLO.ttft_p99_s} <= set(b.ttft)
+    assert {0.05, DEFAULT_SLO.tpot_p99_s} <= set(b.tpot)
     assert b.exact_for(SLO)
     assert max(hi / lo for lo, hi in zip(b.tpot, b.tpot[1:], strict=False)) <= 1.1 + 1e-9
 
