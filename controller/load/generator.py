@@ -18,8 +18,7 @@ the number of streamed tokens and the HTTP status; 429 and 503 are counted as
 rejections (backpressure), anything else non-200 as errors.
 
 Request shapes and bounds live in :mod:`controller.load.spec`, the records and the
-client-side Observation in :mod:`controller.load.result`; their public names are
-importable from here too.
+client-side Observation in :mod:`controller.load.result`.
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ class _Plan:
                 return item.prompt, len(item.prompt), item.max_tokens
             n = int(item.prompt_tokens or 1)
             return synth_prompt(n, self.rng), n, item.max_tokens
-        n = spec.prompt_tokens.sample(self.rng)
-        return synth_prompt(n, self.rng), n, spec.output_tokens.sample(self.rng)
+        n = spec.prompt_tokens.sample_one(self.rng)
+        return synth_prompt(n, self.rng), n, spec.output_tokens.sample_one(self.rng)
 
     def arrival(self, i: int) -> float:
         spec = self.spec

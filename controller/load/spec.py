@@ -1,5 +1,7 @@
 """What load to offer: request shapes (length distributions, JSONL traces) and the bounds.
 
+Lengths are drawn from :class:`serving.sim.workload.LengthDist` (the simulator's too).
+
 :class:`LoadSpec` says where (one URL), how (closed loop, open-loop Poisson, or a
 trace's arrival times), how many and for how long; :func:`saturating_spec` is the
 default load for a candidate configuration. :mod:`controller.load.generator` drives it.
@@ -14,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from serving.sim.workload import LengthDist
+
 MODES = ("closed", "open", "trace")
-DIST_KINDS = ("fixed", "uniform", "lognormal")
 
 # Filler words for synthetic prompts; with a byte-level tokenizer one character
 # is one token, so prompts are cut to exactly the sampled number of characters.
@@ -23,63 +26,6 @@ _WORDS = (
     "the quick brown fox jumps over a lazy dog while serving engines batch decode "
     "steps under a latency objective and the roofline bounds every token"
 ).split()
-
-
-@dataclass(frozen=True, kw_only=True)
-class LengthDist:
-    """A distribution of token counts (prompt or output lengths), clipped to [low, high]."""
-
-    kind: str = "fixed"
-    mean: int = 32
-    low: int = 1
-    high: int = 4096
-    sigma: float = 0.5  # lognormal shape
-
-    def __post_init__(self) -> None:
-        if self.kind not in DIST_KINDS:
-            raise ValueError(f"length distribution kind={self.kind!r}: allowed {DIST_KINDS}")
-        if not (isinstance(self.low, int) and self.low >= 1):
-            raise ValueError(f"low={self.low!r}: must be an integer >= 1")
-        if not (isinstance(self.high, int) and self.high >= self.low):
-            raise ValueError(f"high={self.high!r}: must be an integer >= low={self.low}")
-        if not (isinstance(self.mean, int) and self.low <= self.mean <= self.high):
-            raise ValueError(f"mean={self.mean!r}: must be an integer in [{self.low}, {self.high}]")
-        if not (math.isfinite(self.sigma) and self.sigma >= 0):
-            raise ValueError(f"sigma={self.sigma!r}: must be a finite number >= 0")
-
-    @classmethod
-    def parse(cls, spec: str) -> LengthDist:
-        """``"32"`` or ``"fixed:32"``, ``"uniform:16-64"``, ``"lognormal:32,0.5"``."""
-        text = spec.strip()
-        kind, _, arg = text.partition(":") if ":" in text else ("fixed", "", text)
-        try:
-            if kind == "fixed":
-                n = int(arg)
-                return cls(kind="fixed", mean=n, low=1, high=max(n, 1))
-            if kind == "uniform":
-                lo, hi = (int(x) for x in arg.split("-"))
-                return cls(kind="uniform", mean=(lo + hi) // 2, low=lo, high=hi)
-            if kind == "lognormal":
-                m, s = arg.split(",")
-                mean = int(m)
-                return cls(kind="lognormal", mean=mean, sigma=float(s), high=max(mean * 8, 1))
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"length spec {spec!r}: expected N, fixed:N, uniform:LO-HI or lognormal:MEAN,SIGMA"
-                f" ({e})"
-            ) from None
-        raise ValueError(f"length spec {spec!r}: kind {kind!r} not in {DIST_KINDS}")
-
-    def sample(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            n = self.mean
-        elif self.kind == "uniform":
-            n = rng.randint(self.low, self.high)
-        else:
-            # Median exp(mu) chosen so the mean of the lognormal is `mean`.
-            mu = math.log(self.mean) - self.sigma**2 / 2
-            n = round(rng.lognormvariate(mu, self.sigma))
-        return max(self.low, min(self.high, n))
 
 
 @dataclass(frozen=True, kw_only=True)

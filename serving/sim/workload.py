@@ -3,11 +3,13 @@
 A :class:`Workload` is Poisson arrivals at ``rate_rps`` (or a replayed trace of
 arrival offsets) with prompt and output lengths from :class:`LengthDist`.
 Everything is drawn from a numpy ``Generator`` handed in, so a seed fixes it.
+:class:`LengthDist` is also the load generator's (controller.load.spec) request shape.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,26 +18,68 @@ import numpy as np
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LengthDist:
-    """Token counts: ``fixed`` (= mean), ``uniform`` on [lo, hi], or ``lognormal`` with the
-    given mean and coefficient of variation ``cv``, clipped to [lo, hi]."""
+    """Token counts (prompt or output lengths), clipped to [lo, hi].
+
+    ``fixed``: always ``mean``; ``uniform``: on [lo, hi]; ``lognormal``: with mean ``mean``
+    and shape ``sigma`` (the standard deviation of the log; :meth:`lognormal` takes a
+    coefficient of variation instead). Two samplers, each reproducible from its seed: the
+    simulator's :meth:`sample` draws ``n`` at once from a numpy ``Generator``, the load
+    generator's :meth:`sample_one` one at a time from a ``random.Random``.
+    """
 
     kind: str = "fixed"
-    mean: int = 128
-    cv: float = 0.5
+    mean: int
+    sigma: float = 0.5
     lo: int = 1
     hi: int = 4096
 
     def __post_init__(self) -> None:
         if self.kind not in LENGTH_KINDS:
             raise ValueError(f"kind={self.kind!r}: choose one of {LENGTH_KINDS}")
-        if not (isinstance(self.lo, int) and 1 <= self.lo <= self.hi):
+        if not (_is_int(self.lo) and _is_int(self.hi) and 1 <= self.lo <= self.hi):
             raise ValueError(f"lo={self.lo!r}, hi={self.hi!r}: need integers 1 <= lo <= hi")
-        if not self.lo <= self.mean <= self.hi:
-            raise ValueError(f"mean={self.mean!r}: must lie in [lo={self.lo}, hi={self.hi}]")
-        if not (math.isfinite(self.cv) and self.cv >= 0):
-            raise ValueError(f"cv={self.cv!r}: must be a finite number >= 0")
+        if not (_is_int(self.mean) and self.lo <= self.mean <= self.hi):
+            raise ValueError(
+                f"mean={self.mean!r}: must be an integer in [lo={self.lo}, hi={self.hi}]"
+            )
+        if not (math.isfinite(self.sigma) and self.sigma >= 0):
+            raise ValueError(f"sigma={self.sigma!r}: must be a finite number >= 0")
+
+    @classmethod
+    def lognormal(cls, *, mean: int, cv: float, lo: int, hi: int) -> LengthDist:
+        """A lognormal with mean ``mean`` and coefficient of variation ``cv`` (std / mean)."""
+        if not (math.isfinite(cv) and cv >= 0):
+            raise ValueError(f"cv={cv!r}: must be a finite number >= 0")
+        return cls(kind="lognormal", mean=mean, sigma=math.sqrt(math.log1p(cv**2)), lo=lo, hi=hi)
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthDist:
+        """``"32"`` or ``"fixed:32"``, ``"uniform:16-64"``, ``"lognormal:32,0.5"`` (mean, sigma)."""
+        text = spec.strip()
+        kind, _, arg = text.partition(":") if ":" in text else ("fixed", "", text)
+        try:
+            if kind == "fixed":
+                n = int(arg)
+                return cls(kind="fixed", mean=n, lo=1, hi=max(n, 1))
+            if kind == "uniform":
+                lo, hi = (int(x) for x in arg.split("-"))
+                return cls(kind="uniform", mean=(lo + hi) // 2, lo=lo, hi=hi)
+            if kind == "lognormal":
+                m, s = arg.split(",")
+                mean = int(m)
+                return cls(kind="lognormal", mean=mean, sigma=float(s), hi=max(mean * 8, 1))
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"length spec {spec!r}: expected N, fixed:N, uniform:LO-HI or lognormal:MEAN,SIGMA"
+                f" ({e})"
+            ) from None
+        raise ValueError(f"length spec {spec!r}: kind {kind!r} not in {LENGTH_KINDS}")
 
     @property
     def max_tokens(self) -> int:
@@ -43,15 +87,26 @@ class LengthDist:
         return self.mean if self.kind == "fixed" else self.hi
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` counts at once (the simulator's draws)."""
         if self.kind == "fixed":
             x = np.full(n, float(self.mean))
         elif self.kind == "uniform":
             x = rng.uniform(self.lo, self.hi + 1, size=n)
         else:
-            sigma = math.sqrt(math.log1p(self.cv**2))
-            mu = math.log(self.mean) - sigma**2 / 2
-            x = rng.lognormal(mu, sigma, size=n)
+            mu = math.log(self.mean) - self.sigma**2 / 2
+            x = rng.lognormal(mu, self.sigma, size=n)
         return np.clip(np.floor(x), self.lo, self.hi).astype(np.int64)  # [n]
+
+    def sample_one(self, rng: random.Random) -> int:
+        """One count (the load generator's draws, interleaved with its other uses of ``rng``)."""
+        if self.kind == "fixed":
+            n = self.mean
+        elif self.kind == "uniform":
+            n = rng.randint(self.lo, self.hi)
+        else:
+            mu = math.log(self.mean) - self.sigma**2 / 2  # the median exp(mu) gives this mean
+            n = round(rng.lognormvariate(mu, self.sigma))
+        return max(self.lo, min(self.hi, n))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,8 +115,8 @@ class Workload:
     sorted) replayed cyclically when ``rate_rps`` is None."""
 
     rate_rps: float | None = 10.0
-    prompt: LengthDist = LengthDist(kind="lognormal", mean=256, cv=0.5, lo=8, hi=2048)
-    output: LengthDist = LengthDist(kind="lognormal", mean=128, cv=0.5, lo=2, hi=1024)
+    prompt: LengthDist = LengthDist.lognormal(mean=256, cv=0.5, lo=8, hi=2048)
+    output: LengthDist = LengthDist.lognormal(mean=128, cv=0.5, lo=2, hi=1024)
     trace: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -79,8 +134,8 @@ class Workload:
             "chat": cls(rate_rps=rate_rps),
             "short": cls(
                 rate_rps=rate_rps,
-                prompt=LengthDist(kind="lognormal", mean=128, cv=0.5, lo=8, hi=1024),
-                output=LengthDist(kind="lognormal", mean=64, cv=0.5, lo=2, hi=512),
+                prompt=LengthDist.lognormal(mean=128, cv=0.5, lo=8, hi=1024),
+                output=LengthDist.lognormal(mean=64, cv=0.5, lo=2, hi=512),
             ),
             "fixed": cls(
                 rate_rps=rate_rps,

@@ -14,7 +14,6 @@ import pytest
 
 from controller.load.generator import run_load
 from controller.load.spec import (
-    LengthDist,
     LoadSpec,
     TraceItem,
     completions_url,
@@ -22,6 +21,7 @@ from controller.load.spec import (
     saturating_spec,
     synth_prompt,
 )
+from serving.sim.workload import LengthDist
 
 
 @dataclass
@@ -261,10 +261,10 @@ def test_length_distributions_sample_within_bounds(spec, kind, lo, hi) -> None:
     d = LengthDist.parse(spec)
     assert d.kind == kind
     rng = random.Random(1)
-    xs = [d.sample(rng) for _ in range(2000)]
+    xs = [d.sample_one(rng) for _ in range(2000)]
     assert lo <= min(xs) and max(xs) <= hi
-    assert [d.sample(random.Random(5)) for _ in range(3)] == [
-        d.sample(random.Random(5)) for _ in range(3)
+    assert [d.sample_one(random.Random(5)) for _ in range(3)] == [
+        d.sample_one(random.Random(5)) for _ in range(3)
     ]
     if kind == "lognormal":
         assert 26 < sum(xs) / len(xs) < 38  # mean close to 32

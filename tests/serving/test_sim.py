@@ -149,7 +149,7 @@ def test_config_validation_names_the_value() -> None:
     with pytest.raises(ValueError, match="window_s=0"):
         SimConfig(max_slots=4, window_s=0)
     with pytest.raises(ValueError, match="kind='zipf'"):
-        LengthDist(kind="zipf")
+        LengthDist(kind="zipf", mean=8)
     with pytest.raises(ValueError, match="rate_rps=0"):
         Workload(rate_rps=0)
 
