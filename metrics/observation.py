@@ -23,7 +23,8 @@ class Slo:
     def __post_init__(self) -> None:
         for name in ("ttft_p99_s", "tpot_p99_s"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not (number and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v!r}: must be a positive number of seconds")
         if not 0 < self.quantile < 1:
             raise ValueError(f"quantile={self.quantile!r}: must be in (0, 1)")

@@ -19,6 +19,10 @@ from metrics.observation import DEFAULT_SLO, Slo
 logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "CompletionServer"
+# Ray Serve admission defaults of the deployment: requests a replica runs at once (its
+# batch and its queue), and requests the proxy holds before it answers 503.
+DEFAULT_MAX_ONGOING_REQUESTS = 16
+DEFAULT_MAX_QUEUED_REQUESTS = 64
 MODEL_PRESETS = ("tiny", "small")
 DEVICES = ("cpu", "cuda")
 OMP_WAIT_POLICIES = ("passive", "active")
@@ -126,6 +130,9 @@ class ServerArgs:
 class LiveConfig:
     """The deployment's ``user_config``: applied in place by ``reconfigure``.
 
+    ``max_batch_size`` is the decode batch limit (at most the replica's
+    ``ServerArgs.max_slots``: :meth:`check_fits`); ``ttft_p99_s``/``tpot_p99_s`` are the
+    SLO the replica's ``slo_met`` counter judges by (:attr:`slo`).
     ``max_ongoing_requests`` mirrors the deployment option of the same name (Ray
     applies that one itself); carrying it here makes ``reconfigure`` run when it
     changes, so the replica can confirm the update (serving/app/deploy.py waits on it).
@@ -133,24 +140,35 @@ class LiveConfig:
     """
 
     max_batch_size: int
-    ttft_slo_s: float = DEFAULT_SLO.ttft_p99_s
-    tpot_slo_s: float = DEFAULT_SLO.tpot_p99_s
+    ttft_p99_s: float = DEFAULT_SLO.ttft_p99_s
+    tpot_p99_s: float = DEFAULT_SLO.tpot_p99_s
     max_ongoing_requests: int | None = None
     version: str = ""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size!r}: must be a positive integer")
-        for name in ("ttft_slo_s", "tpot_slo_s"):
-            if not _is_pos_number(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive number")
+        _ = self.slo  # validates the thresholds
         m = self.max_ongoing_requests
         if m is not None and (not _is_int(m) or m < 1):
             raise ValueError(f"max_ongoing_requests={m!r}: must be a positive integer")
 
     @property
     def slo(self) -> Slo:
-        return Slo(ttft_p99_s=self.ttft_slo_s, tpot_p99_s=self.tpot_slo_s)
+        return Slo(ttft_p99_s=self.ttft_p99_s, tpot_p99_s=self.tpot_p99_s)
+
+    def check_fits(self, args: ServerArgs) -> None:
+        """ValueError unless a replica built with ``args`` can run this batch limit.
+
+        The one check of the batch limit against the KV-cache capacity: the driver makes
+        it before a config goes to Ray (serving/app/deploy.py), the replica when one
+        arrives (``reconfigure``), so a hand-written config fails the same way.
+        """
+        if self.max_batch_size > args.max_slots:
+            raise ValueError(
+                f"max_batch_size={self.max_batch_size}: must be <= max_slots={args.max_slots}"
+                " (a restart with larger max_slots raises it)"
+            )
 
     @classmethod
     def from_user_config(cls, config: dict[str, Any]) -> LiveConfig:

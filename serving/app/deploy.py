@@ -24,20 +24,26 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
-from metrics.observation import DEFAULT_SLO, Slo
+from metrics.observation import Slo
 from serving.app.config import (
-    DEFAULT_STREAM_EVENTS_PER_S,
-    DEFAULT_STREAM_INTERVAL_S,
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
     DEPLOYMENT_NAME,
     REPLICA_ENV_VARS,
     LiveConfig,
     ServerArgs,
 )
-from serving.app.replicas import POLL_S, DeployError, ReplicaState, wait_applied
-from serving.app.replicas import replica_pids as _replica_pids
-from serving.app.replicas import replica_states as _replica_states
+from serving.app.replicas import (
+    POLL_S,
+    DeployError,
+    ReplicaState,
+    read_replica_pids,
+    read_replica_states,
+    wait_applied,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,17 +155,16 @@ def app_config(
     route_prefix: str,
     args: ServerArgs,
     live: LiveConfig,
-    max_ongoing_requests: int,
-    max_queued_requests: int,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml).
 
-    ``runtime_env`` gets ``env_vars`` :data:`REPLICA_ENV_VARS` under the caller's own.
+    The deployment's ``max_ongoing_requests`` is ``live.max_ongoing_requests``
+    (:data:`DEFAULT_MAX_ONGOING_REQUESTS` when None). ``runtime_env`` gets ``env_vars``
+    :data:`REPLICA_ENV_VARS` under the caller's own.
     """
-    if not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
-        raise ValueError(f"max_ongoing_requests={max_ongoing_requests!r}: must be an integer >= 1")
     if not isinstance(max_queued_requests, int) or not (
         max_queued_requests == -1 or max_queued_requests >= 1
     ):
@@ -170,10 +175,9 @@ def app_config(
         raise ValueError(f"num_replicas={num_replicas!r}: must be an integer >= 1")
     if not route_prefix.startswith("/"):
         raise ValueError(f"route_prefix={route_prefix!r}: must start with '/'")
-    if live.max_batch_size > args.max_slots:
-        raise ValueError(
-            f"max_batch_size={live.max_batch_size}: must be <= max_slots={args.max_slots}"
-        )
+    live.check_fits(args)
+    if live.max_ongoing_requests is None:
+        live = replace(live, max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
     return {
         "name": name,
         "route_prefix": route_prefix,
@@ -184,7 +188,7 @@ def app_config(
             {
                 "name": DEPLOYMENT_NAME,
                 "num_replicas": num_replicas,
-                "max_ongoing_requests": max_ongoing_requests,
+                "max_ongoing_requests": live.max_ongoing_requests,
                 "max_queued_requests": max_queued_requests,
                 "user_config": live.to_user_config(),
             }
@@ -193,60 +197,29 @@ def app_config(
 
 
 def deploy_app(
+    args: ServerArgs,
+    live: LiveConfig,
     *,
-    model: str = "tiny",
-    max_batch_size: int = 8,
-    max_ongoing_requests: int = 16,
-    slo: Slo | None = None,
-    max_slots: int = 64,
-    max_queued_requests: int = 64,
     name: str = DEFAULT_APP_NAME,
     route_prefix: str = "/",
-    device: str = "cpu",
-    checkpoint: str | None = None,
-    max_len: int | None = None,
-    seed: int = 0,
-    torch_threads: int = 1,
-    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
-    stream_events_per_s: float = DEFAULT_STREAM_EVENTS_PER_S,
-    omp_wait_policy: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 120.0,
 ) -> None:
     """Deploy (or update) the completion server app and wait until it serves.
 
-    Ray must be initialised; Serve is started on loopback if it is not running.
-    Changing ``model``/``max_slots``/``device``/``checkpoint``/``max_len``/``seed``/
-    ``torch_threads``/``stream_*``/``omp_wait_policy`` rebuilds the replicas; the
-    knobs alone update in place.
+    ``args`` build the replicas (a change rebuilds them); ``live`` is applied in place
+    (``live.version`` is replaced by a fresh nonce, which every replica must report
+    before this returns). Ray must be initialised; Serve is started on loopback if it is
+    not running.
     """
-    slo = slo or DEFAULT_SLO
-    args = ServerArgs(
-        model=model,
-        max_slots=max_slots,
-        device=device,
-        checkpoint=checkpoint,
-        max_len=max_len,
-        seed=seed,
-        torch_threads=torch_threads,
-        stream_interval_s=stream_interval_s,
-        stream_events_per_s=stream_events_per_s,
-        omp_wait_policy=omp_wait_policy,
-    )
-    live = LiveConfig(
-        max_batch_size=max_batch_size,
-        ttft_slo_s=slo.ttft_p99_s,
-        tpot_slo_s=slo.tpot_p99_s,
-        max_ongoing_requests=max_ongoing_requests,
-        version=uuid.uuid4().hex[:12],
-    )
+    live = replace(live, version=uuid.uuid4().hex[:12])
     cfg = app_config(
         name=name,
         route_prefix=route_prefix,
         args=args,
         live=live,
-        max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,
         num_replicas=num_replicas,
         runtime_env=runtime_env,
@@ -285,8 +258,8 @@ def update_knobs(
     slo = slo or old.slo
     live = LiveConfig(
         max_batch_size=max_batch_size,
-        ttft_slo_s=slo.ttft_p99_s,
-        tpot_slo_s=slo.tpot_p99_s,
+        ttft_p99_s=slo.ttft_p99_s,
+        tpot_p99_s=slo.tpot_p99_s,
         max_ongoing_requests=max_ongoing_requests,
         version=uuid.uuid4().hex[:12],
     )
@@ -295,7 +268,6 @@ def update_knobs(
         route_prefix=cfg.get("route_prefix", "/"),
         args=ServerArgs.from_args(cfg.get("args")),
         live=live,
-        max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=(
             dep.get("max_queued_requests", -1)
             if max_queued_requests is None
@@ -335,9 +307,9 @@ def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None
 
 def replica_states(app_name: str = DEFAULT_APP_NAME) -> list[ReplicaState]:
     """The running replicas of the app, each as it last reported itself."""
-    return _replica_states(_client(), app_name)
+    return read_replica_states(_client(), app_name)
 
 
 def replica_pids(app_name: str = DEFAULT_APP_NAME) -> list[int]:
     """Process ids of the app's running replicas (as Serve's controller reports them)."""
-    return _replica_pids(_client(), app_name)
+    return read_replica_pids(_client(), app_name)

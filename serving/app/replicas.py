@@ -56,7 +56,7 @@ def read_state(app_name: str, replica_id: str) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw)
 
 
-def replica_states(client: Any, app_name: str) -> list[ReplicaState]:
+def read_replica_states(client: Any, app_name: str) -> list[ReplicaState]:
     """The running replicas of the app, each as it last reported itself."""
     _, _, replicas = running_replicas(client, app_name)
     out = []
@@ -77,7 +77,7 @@ def replica_states(client: Any, app_name: str) -> list[ReplicaState]:
     return out
 
 
-def replica_pids(client: Any, app_name: str) -> list[int]:
+def read_replica_pids(client: Any, app_name: str) -> list[int]:
     """Process ids of the app's running replicas (as Serve's controller reports them)."""
     _, _, replicas = running_replicas(client, app_name)
     return sorted(int(r["pid"]) for r in replicas if r.get("pid") is not None)

@@ -131,7 +131,7 @@ class ServeMetrics:
         self.kv_usage = m.Gauge(
             names.KV_CACHE_USAGE_RATIO, description="Fraction of KV-cache slots in use."
         )
-        self.max_batch = m.Gauge(names.MAX_BATCH_SIZE, description="Decode batch limit.")
+        self.max_batch_size = m.Gauge(names.MAX_BATCH_SIZE, description="Decode batch limit.")
 
     def set_slo(self, slo: Slo) -> None:
         self.slo = slo
@@ -158,7 +158,7 @@ class ServeMetrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
-        self.max_batch.set(stats.max_batch_size)
+        self.max_batch_size.set(stats.max_batch_size)
 
 
 class GaugeRefresher:

@@ -39,6 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.app import openai_api as oa
 from serving.app.config import (
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
     DEPLOYMENT_NAME,
     KV_NAMESPACE,
     LiveConfig,
@@ -49,8 +51,6 @@ from serving.app.serve_metrics import GaugeRefresher, ServeMetrics
 
 logger = logging.getLogger(__name__)
 
-# Re-exported: serving/app/deploy.py, the controller and tests import them from here.
-
 
 def _json_error(e: oa.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
@@ -59,13 +59,13 @@ def _json_error(e: oa.ApiError) -> JSONResponse:
 @serve.deployment(
     name=DEPLOYMENT_NAME,
     ray_actor_options={"num_cpus": 0},
-    max_ongoing_requests=16,
-    max_queued_requests=64,
+    max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
+    max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
     graceful_shutdown_timeout_s=5,
     health_check_period_s=5,
 )
 class CompletionServer:
-    """One replica: an :class:`serving.engine.engine.AsyncEngine` behind OpenAI routes."""
+    """One replica: an :class:`serving.engine.async_engine.AsyncEngine` behind OpenAI routes."""
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = ServerArgs.from_args(args)
@@ -115,11 +115,7 @@ class CompletionServer:
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         live = LiveConfig.from_user_config(user_config)
-        if live.max_batch_size > self.args.max_slots:
-            raise ValueError(
-                f"max_batch_size={live.max_batch_size}: must be <= max_slots="
-                f"{self.args.max_slots} (a restart with larger max_slots raises it)"
-            )
+        live.check_fits(self.args)
         self.engine.set_max_batch_size(live.max_batch_size)
         self.live = live
         self.metrics.set_slo(live.slo)

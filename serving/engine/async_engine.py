@@ -153,8 +153,8 @@ class AsyncEngine:
     def validate(self, prompt_ids: list[int], max_tokens: object) -> None:
         self.engine.validate(prompt_ids, max_tokens)
 
-    def set_max_batch_size(self, n: int) -> None:
-        self.engine.set_max_batch_size(n)
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        self.engine.set_max_batch_size(max_batch_size)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

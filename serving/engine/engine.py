@@ -213,9 +213,10 @@ class Engine:
             self._temps.clear()
             return ids
 
-    def set_max_batch_size(self, n: int) -> None:
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        """The decode batch limit from the next step (1..max_slots, else ValueError)."""
         with self._lock:
-            self.scheduler.set_max_batch_size(n)
+            self.scheduler.set_max_batch_size(max_batch_size)
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from serving.scheduler.plan import Finished, SchedulerConfig, SeqRequest, _is_int
@@ -150,15 +151,15 @@ class SchedulerState:
             return True
         return False
 
-    def set_max_batch_size(self, n: object) -> None:
-        if not _is_int(n) or not 1 <= n <= self.config.max_slots:
-            raise ValueError(
-                f"max_batch_size={n!r}: must be an integer in 1..{self.config.max_slots} "
-                "(max_slots)"
-            )
-        if n != self._max_batch_size:
-            logger.info("max_batch_size %d -> %d", self._max_batch_size, n)
-        self._max_batch_size = n
+    def set_max_batch_size(self, max_batch_size: object) -> None:
+        """The running-set limit from the next ``schedule``; ValueError (SchedulerConfig's)
+        unless it is an integer in 1..max_slots."""
+        value: Any = max_batch_size  # checked by SchedulerConfig, not by a compiled build
+        config = replace(self.config, max_batch_size=value)
+        if config.max_batch_size != self._max_batch_size:
+            logger.info("max_batch_size %d -> %d", self._max_batch_size, config.max_batch_size)
+        self.config = config
+        self._max_batch_size = config.max_batch_size
 
     def _release(self, s: Seq) -> None:
         """Take a running request out of the running set and free its slot."""

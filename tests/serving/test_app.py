@@ -20,6 +20,7 @@ import pytest
 from metrics import names
 from metrics.observation import DEFAULT_SLO, Slo
 from serving.app import openai_api as oa
+from serving.app.config import LiveConfig, ServerArgs
 from serving.app.serve_metrics import BucketLayout, GaugeRefresher, ServeMetrics
 
 # -- request parsing ------------------------------------------------------------
@@ -233,7 +234,7 @@ def test_gauge_refresher_resets_gauges_until_stopped() -> None:
     n = len(m.running.calls)
     time.sleep(0.05)
     assert len(m.running.calls) == n
-    assert m.kv_usage.calls[-1][1] == 0.25 and m.max_batch.calls[-1][1] == 8
+    assert m.kv_usage.calls[-1][1] == 0.25 and m.max_batch_size.calls[-1][1] == 8
 
 
 # -- the live app on Ray Serve -------------------------------------------------------
@@ -247,14 +248,11 @@ def server(ray_cluster):
     from serving.app.deploy import delete_app, deploy_app
 
     deploy_app(
-        model="tiny",
+        ServerArgs(model="tiny", max_slots=16),
+        LiveConfig(max_batch_size=8, ttft_p99_s=0.75, tpot_p99_s=0.08, max_ongoing_requests=16),
         name=APP,
         route_prefix=PREFIX,
-        max_slots=16,
-        max_batch_size=8,
-        max_ongoing_requests=16,
         max_queued_requests=32,
-        slo=Slo(ttft_p99_s=0.75, tpot_p99_s=0.08),
     )
     yield SimpleNamespace(base=ray_cluster.http_url + PREFIX, metrics_url=ray_cluster.metrics_url)
     delete_app(APP)

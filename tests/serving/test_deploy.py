@@ -44,7 +44,6 @@ def test_serve_config_file_is_what_deploy_app_builds() -> None:
         route_prefix=app["route_prefix"],
         args=args,
         live=live,
-        max_ongoing_requests=dep["max_ongoing_requests"],
         max_queued_requests=dep["max_queued_requests"],
         num_replicas=dep["num_replicas"],
     )
@@ -67,8 +66,7 @@ def test_replica_env_reaches_every_config_and_the_callers_env_wins() -> None:
         "name": "a",
         "route_prefix": "/",
         "args": ServerArgs(),
-        "live": LiveConfig(max_batch_size=8),
-        "max_ongoing_requests": 4,
+        "live": LiveConfig(max_batch_size=8, max_ongoing_requests=4),
         "max_queued_requests": -1,
     }
     assert app_config(**base)["runtime_env"] == {"env_vars": REPLICA_ENV_VARS}
@@ -90,11 +88,10 @@ def test_replica_env_reaches_every_config_and_the_callers_env_wins() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"max_ongoing_requests": 0}, "max_ongoing_requests=0"),
         ({"max_queued_requests": 0}, "max_queued_requests=0"),
         ({"num_replicas": 0}, "num_replicas=0"),
         ({"route_prefix": "v1"}, "route_prefix='v1'"),
-        ({"live": LiveConfig(max_batch_size=65)}, "max_batch_size=65"),
+        ({"live": LiveConfig(max_batch_size=65)}, "max_batch_size=65: must be <= max_slots=64"),
     ],
 )
 def test_app_config_rejects_bad_knobs(kwargs: dict[str, object], fragment: str) -> None:
@@ -102,8 +99,7 @@ def test_app_config_rejects_bad_knobs(kwargs: dict[str, object], fragment: str) 
         "name": "a",
         "route_prefix": "/",
         "args": ServerArgs(max_slots=64),
-        "live": LiveConfig(max_batch_size=8),
-        "max_ongoing_requests": 4,
+        "live": LiveConfig(max_batch_size=8, max_ongoing_requests=4),
         "max_queued_requests": -1,
     }
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
@@ -115,7 +111,9 @@ def test_app_config_rejects_bad_knobs(kwargs: dict[str, object], fragment: str) 
     [
         (lambda: LiveConfig(max_batch_size=0), "max_batch_size=0"),
         (lambda: LiveConfig(max_batch_size=True), "max_batch_size=True"),
-        (lambda: LiveConfig(max_batch_size=4, ttft_slo_s=-1), "ttft_slo_s=-1"),
+        (lambda: LiveConfig(max_batch_size=4, ttft_p99_s=-1), "ttft_p99_s=-1"),
+        (lambda: LiveConfig(max_batch_size=4, tpot_p99_s=True), "tpot_p99_s=True"),
+        (lambda: LiveConfig(max_batch_size=4, max_ongoing_requests=0), "max_ongoing_requests=0"),
         (lambda: LiveConfig.from_user_config({"max_batch_size": 4, "x": 1}), "'x'"),
         (lambda: ServerArgs(model="huge"), "model='huge'"),
         (lambda: ServerArgs(device="tpu"), "device='tpu'"),
@@ -177,7 +175,7 @@ def test_omp_wait_policy_is_set_for_the_process(monkeypatch, caplog) -> None:
 
 
 def test_config_round_trips() -> None:
-    live = LiveConfig(max_batch_size=4, ttft_slo_s=0.5, max_ongoing_requests=3, version="v1")
+    live = LiveConfig(max_batch_size=4, ttft_p99_s=0.5, max_ongoing_requests=3, version="v1")
     assert LiveConfig.from_user_config(live.to_user_config()) == live
     args = ServerArgs(model="small", max_slots=16, checkpoint=None)
     assert ServerArgs.from_args(args.to_args()) == args
@@ -195,13 +193,10 @@ def deployed(ray_cluster):
     from serving.app.deploy import delete_app, deploy_app
 
     deploy_app(
-        model="tiny",
+        ServerArgs(model="tiny", max_slots=8, max_len=1024),  # long streams: still in flight
+        LiveConfig(max_batch_size=4, max_ongoing_requests=8),  # while a knob update lands
         name=APP,
         route_prefix=PREFIX,
-        max_slots=8,
-        max_len=1024,  # long streams: still in flight while a knob update lands
-        max_batch_size=4,
-        max_ongoing_requests=8,
         max_queued_requests=16,
     )
     yield ray_cluster.http_url + PREFIX
@@ -265,7 +260,7 @@ def test_knob_update_is_in_place_and_in_flight_streams_survive(deployed: str) ->
     # The update was applied while streams were still generating.
     assert after["running"] >= 1, f"streams ended before the update landed: {after}"
     assert after["max_batch_size"] == 2 and after["max_ongoing_requests"] == 5
-    assert after["live"]["ttft_slo_s"] == 0.5
+    assert after["live"]["ttft_p99_s"] == 0.5
     for t in threads:
         t.join(120)
     for out in outs:  # every stream, in flight or queued at the update, completed
@@ -321,14 +316,11 @@ def test_changing_args_does_restart_the_replica(deployed: str) -> None:
 
     pids = replica_pids(APP)
     deploy_app(
-        model="tiny",
+        ServerArgs(model="tiny", max_slots=8, seed=1),  # seed is in the args: a new version
+        LiveConfig(max_batch_size=4, max_ongoing_requests=8),
         name=APP,
         route_prefix=PREFIX,
-        max_slots=8,
-        max_batch_size=4,
-        max_ongoing_requests=8,
         max_queued_requests=16,
-        seed=1,  # part of the app args: a new code version
     )
     new = replica_pids(APP)
     assert len(new) == 1 and new != pids
@@ -341,7 +333,7 @@ def test_changing_args_does_restart_the_replica(deployed: str) -> None:
         (["--port", "9000", "--metrics-port", "9000"], "both 9000"),
         (["--model", "huge"], "model='huge'"),
         (["--max-batch-size", "65", "--max-slots", "64"], "--max-batch-size 65"),
-        (["--ttft-slo", "-1"], "ttft_p99_s=-1"),
+        (["--slo-ttft-ms", "-1"], "--slo-ttft-ms -1"),
         (["--stream-interval", "5"], "stream_interval_s=5"),
         (["--checkpoint", "/nonexistent/ckpt"], "not a directory"),
     ],

@@ -26,6 +26,7 @@ os.environ["RAY_worker_niceness"] = "15"
 os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "1"
 import httpx, ray
 from ray import serve
+from serving.app.config import LiveConfig, ServerArgs
 from serving.app.deploy import delete_app, deploy_app, start_local_ray
 
 def free():
@@ -36,7 +37,7 @@ def free():
 port = free()
 start_local_ray(num_cpus=2, metrics_port=free(), http_port=port)
 try:
-    deploy_app(model="tiny", name="envcheck", route_prefix="/")
+    deploy_app(ServerArgs(model="tiny"), LiveConfig(max_batch_size=8), name="envcheck")
     runtime = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=30).json()["runtime"]
     from ray.serve.context import _get_global_client
     (proxy,) = _get_global_client().get_serve_details()["proxies"].values()
