@@ -29,11 +29,10 @@ OMP_WAIT_POLICIES = ("passive", "active")
 # Where replicas publish the live config they applied (Ray's internal KV):
 # key f"{app_name}/{replica_tag}", value JSON (see CompletionServer._publish).
 KV_NAMESPACE = "slotune"
-# Streaming pace (docs/serving.md "Streaming"): a token is held at most
+# Streaming pace (docs/serving.md "Streaming pace"): a token is held at most
 # DEFAULT_STREAM_INTERVAL_S; the replica's streamed events stay near
 # DEFAULT_STREAM_EVENTS_PER_S, so a lone request streams every token and only a
-# full batch gets the whole interval (Ray Serve's cost is per event, ~0.8 ms of CPU
-# in the replica and proxy together, measured in bench/serve_overhead.py).
+# full batch gets the whole interval (Ray Serve's cost is per event, not per token).
 DEFAULT_STREAM_INTERVAL_S = 0.2
 DEFAULT_STREAM_EVENTS_PER_S = 150.0
 # Environment of every replica process, carried in the app's ``runtime_env``
@@ -72,9 +71,8 @@ class ServerArgs:
     torch_threads: int = 1  # Ray sets OMP_NUM_THREADS=1 in actors: choose deliberately
     # OpenMP's idle policy for torch's worker threads, set before torch loads; it only
     # matters with torch_threads > 1. "passive": idle workers sleep (the safe choice
-    # when other processes share the cores: spinning workers once made steps up to
-    # 100x slower); "active": they spin (about 2x faster 2-thread steps on cores the
-    # replica has to itself, measured on a quiet machine). None keeps the process
+    # when other processes share the cores); "active": they spin (faster on cores the
+    # replica has to itself; docs/serving.md "CPU settings"). None keeps the process
     # environment's OMP_WAIT_POLICY, and PASSIVE when it has none.
     omp_wait_policy: str | None = None
     served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>

@@ -51,22 +51,18 @@ IMPORT_PATH = "serving.app.server:app"
 DEFAULT_APP_NAME = "slotune"
 
 
-# Process environment for a Ray driver on a small machine (shared/FIELD-NOTES.md);
-# Ray's processes inherit it:
+# Process environment for a Ray driver on a small machine; Ray's processes inherit it
+# (docs/serving.md "CPU settings"):
 # - no usage stats; metrics exported every second (the minimum);
 # - OMP_WAIT_POLICY=PASSIVE: spinning torch threads starve the other processes on
-#   2 cores (a replica's own policy is ServerArgs.omp_wait_policy);
+#   a few shared cores (a replica's own policy is ServerArgs.omp_wait_policy);
 # - RAY_worker_niceness=0: Ray renices every worker process (replicas, the HTTP
 #   proxy) to 15 by default, so any ordinary process on the machine takes the CPU
 #   from the replica first; an SLO-serving replica whose latency the tuner measures
-#   must compete on equal terms (measured: the engine thread ran at nice 15 while
-#   the benchmark's in-process engine ran at 0);
+#   must compete on equal terms;
 # - RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0: request handlers run on the
 #   replica's main event loop, which saves a cross-thread hop per streamed event
-#   (the handlers never block: the engine steps in its own thread). Two interleaved
-#   A/B runs on the loaded 2-core machine: 5 % less CPU per streamed token on the
-#   Serve path (4.62 -> 4.38 and 5.95 -> 5.67 ms); Ray's maintainers plan to make
-#   it the default (ray-project/ray#61226).
+#   (the handlers never block: the engine steps in its own thread).
 RAY_ENV_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",

@@ -25,7 +25,7 @@ GAUGE_PERIOD_S = 0.5  # below Ray's 1 s minimum report interval
 
 
 class TimingLike(Protocol):
-    """What the engine's ``on_finish`` hands over (serving.engine.engine.RequestTiming)."""
+    """What the engine's ``on_finish`` hands over (serving.scheduler.plan.RequestTiming)."""
 
     ttft_s: float | None
     tpot_s: float | None  # None for a single token

@@ -1,31 +1,24 @@
 """The asyncio face of the engine: :class:`AsyncEngine` steps it in a thread and streams tokens.
 
-The engine thread runs ``Engine.step`` back to back while there is work. After
-each step it hands every sampled token (and every end of stream) to the
-consumers' event loops with ONE ``call_soon_threadsafe`` per loop, however many
-requests that loop serves: per-token cross-thread wake-ups (a self-pipe write
-each) were a measurable share of a replica's CPU at batch 32. A consumer takes
-everything handed to it so far at once (``generate_chunks``), so one that falls
-behind catches up in one go instead of one event per token.
+The engine thread runs ``Engine.step`` back to back while there is work. After each
+step it hands every sampled token (and every end of stream) to the consumers' event
+loops with ONE ``call_soon_threadsafe`` per loop, however many requests that loop
+serves (a per-token wake-up costs a self-pipe write each). A consumer takes everything
+handed to it so far at once (``generate_chunks``), so one that falls behind catches up
+in one go instead of one event per token.
 
 A consumer may also ask the engine thread to hold its tokens back
-(``generate_chunks(flush_interval_s=...)``): its first token is handed over at
-once, then at most one hand-over per interval, and the end at once with everything
-still held. Held tokens cost nothing on the consumer's side (its loop is not woken),
-which is what makes a streamed item through Ray Serve affordable at a full batch:
-Ray's cost is per streamed item, not per token. A token is held less than the
-interval after the step that sampled it, plus the rest of the step that crosses the
-interval (a long prefill step stretches that: docs/serving.md).
+(``generate_chunks(flush_interval_s=...)``): its first token is handed over at once,
+then at most one hand-over per interval, and the end at once with everything still
+held. Held tokens cost nothing on the consumer's side (its loop is not woken). A token
+is held less than the interval after the step that sampled it, plus the rest of the
+step that crosses the interval. With ``events_per_s`` (a budget for the whole engine)
+each stream's interval is min(its ``flush_interval_s``, paced streams /
+``events_per_s``), so the hand-overs of all streams together stay near the budget
+(docs/serving.md "Streaming pace").
 
-With ``events_per_s`` (a budget for the whole engine) the interval shrinks when few
-streams are paced: each stream's interval is min(its ``flush_interval_s``, paced
-streams / ``events_per_s``), so the hand-overs of all streams together stay near
-the budget (a lone request streams every token) and the full interval applies only
-once that many streams share the engine.
-
-Server-side latency metrics do not come from here: the scheduler records
-arrival, first and last token times (serving/scheduler/scheduler.py) and ``on_finish``
-hands them over from the engine thread.
+Server-side latency metrics do not come from here: the scheduler records arrival,
+first and last token times and ``on_finish`` hands them over from the engine thread.
 """
 
 from __future__ import annotations

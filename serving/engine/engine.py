@@ -4,20 +4,15 @@
 round (serving/scheduler/scheduler.py documents the policy: all prefilled requests decode
 every step, prompts are prefilled in chunks of at most ``prefill_chunk`` tokens
 per step). :class:`serving.engine.async_engine.AsyncEngine` runs ``Engine.step`` in a
-background thread and streams tokens to asyncio consumers.
+background thread and streams tokens to asyncio consumers. The executor
+(serving/engine/executor.py) runs the model for a plan.
 
-The executor (serving/engine/executor.py) runs the model for a plan.
-
-Threads (FIELD-NOTES): torch's intra-op pool is set with ``torch.set_num_threads``
-(``num_threads``; None keeps what the process set, as the Ray app sets it
-itself). Ray sets ``OMP_NUM_THREADS=1`` in actors with ``num_cpus <= 1``, so
-the setting must be explicit somewhere. With another busy process on the same
-cores, spinning OpenMP workers made a 2-thread decode step up to 100x slower:
-set ``OMP_WAIT_POLICY=PASSIVE`` in the process environment before torch starts
-its thread pool on shared cores; ACTIVE (spinning) made a 2-thread step about
-twice as fast on a quiet machine, for cores the process has to itself. The Ray
-app sets it from ``ServerArgs.omp_wait_policy``; the engine warns when more than
-one thread runs with neither chosen.
+Threads: torch's intra-op pool is set with ``torch.set_num_threads``
+(``num_threads``; None keeps what the process set). Ray sets ``OMP_NUM_THREADS=1`` in
+actors with ``num_cpus <= 1``, so the setting must be explicit somewhere. Choose
+``OMP_WAIT_POLICY`` before torch starts its thread pool: PASSIVE on shared cores,
+ACTIVE on cores the process has to itself (docs/serving.md "CPU settings"); the engine
+warns when more than one thread runs with neither chosen.
 
 Timings use ``clock`` (``time.monotonic`` by default): arrival when a request is
 added, admission at the start of the step that first schedules it, and first/

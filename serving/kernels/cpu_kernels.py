@@ -1,22 +1,18 @@
-"""slotune's CPU kernels (serving/kernels/cpu_kernels.c): decode attention, RMSNorm, the GEMV of
-small batches and whole decoder layers at those batches, built at first use.
+"""slotune's CPU kernels (serving/kernels/cpu_kernels.c), built at first use.
 
-On CPU in bf16 a decode step's attention is ~15 small torch ops per layer (rotary
-embedding, the cache write, two batched GEMMs, softmax, reshapes), each with a fixed
-cost of several us, and the GEMMs read whole ``max_len`` cache rows. The C kernel does
-a layer's decode attention in one call and reads only each sequence's own positions
-(measured at B=1, context 256, ``small``: 11 us a layer against ~50 us for the torch
-GEMMs alone; at B=256 2.6 ms against 3.6 ms). RMSNorm, 25 calls a step, costs ~12 us
-a call as a torch op and a few us here.
+Decode attention (one call a layer, reading only each sequence's own positions, where
+torch runs ~15 small ops over whole ``max_len`` rows), RMSNorm, the GEMV of small
+batches, the small GEMM past it on AVX2, and whole decoder layers at the GEMV's batches
+(docs/serving.md "CPU kernels" has what each does and what it saves).
 
 The source is compiled by the system C compiler (``$CC``, else ``cc``/``gcc``) with
 ``-march=native`` into a per-user cache (``$SLOTUNE_KERNEL_CACHE``, else
 ``~/.cache/slotune/kernels``), keyed by the source, the flags, the compiler and the
-CPU's flags; a build takes ~1 s and is reused by every later process (Ray replicas
-included). No compiler, a failed build, a CPU other than x86-64, or
-``SLOTUNE_CPU_KERNELS=0``: :func:`load` returns None and the model keeps its torch
-path (same results to rounding order). The attention kernel serves bf16 decode steps
-(prefill runs torch), the norm every bf16 forward on CPU; fp32/fp16 and CUDA run torch.
+CPU's flags; a build is reused by every later process (Ray replicas included). No
+compiler, a failed build, a CPU other than x86-64, or ``SLOTUNE_CPU_KERNELS=0``:
+:func:`load` returns None and the model keeps its torch path (same results to rounding
+order). The attention kernel serves bf16 decode steps (prefill runs torch), the norm
+every bf16 forward on CPU; fp32/fp16 and CUDA run torch.
 """
 
 from __future__ import annotations
@@ -55,11 +51,8 @@ ENV_SWITCH = "SLOTUNE_CPU_KERNELS"
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 PATHS = {1: "AVX-512 bf16", 2: "AVX2"}  # slotune_kernel_limits' return -> the GEMV's path
-# Rows of input up to which a linear runs the GEMV, by path (docs/serving.md "CPU kernels").
-# AVX-512: A/B of whole `small` decode steps, alternating step by step (2026-12-03): median
-# step ratio GEMV/oneDNN 0.75-0.85 at B=1, 0.78-0.79 at B=2, 0.92-1.00 at B=4, worse from
-# B=6 on. AVX2: the 24 [4096, 768] linears, 2 threads: the GEMV 3.5 ms at one row, the
-# small GEMM 6.2 ms at two against the GEMV's 10 ms.
+# Rows of input up to which a linear runs the GEMV, by path: past them oneDNN (AVX-512) or
+# the small GEMM (AVX2) is faster (docs/serving.md "CPU kernels" has the A/B figures).
 GEMV_ROWS = {1: 2, 2: 1}
 
 

@@ -3,8 +3,8 @@
 At the GEMV's batch sizes (``Kernels.gemv_rows`` rows) a decode step on CPU bf16 runs
 each decoder layer in one C call (``Kernels.decode_layer``), then the final norm and
 the lm_head GEMV. Between those 14 calls Python builds each call's ~26 arguments and a
-new thread team starts: ~0.3 ms of a 5-6 ms `small` step on 2 cores, with the Python
-interpreter's own data cold after each layer streamed its weights. Here the same
+new thread team starts, with the Python interpreter's own data cold after each layer
+streamed its weights (docs/serving.md "CPU kernels" has the cost). Here the same
 kernels run in one call and one thread team (``slotune_decode_step_bf16`` in
 serving/kernels/cpu_kernels.c): the same steps, roundings and results, bit for bit
 (tests/serving/test_cpu_step.py).

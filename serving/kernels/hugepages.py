@@ -1,13 +1,11 @@
 """CPU tensors on transparent huge pages, for the buffers decode streams every step.
 
-A decode step reads every packed weight copy (serving/kernels/cpu_kernels.py) and the KV cache
-once, ~200 MB a step for `small`, 4 KiB page by page. On a VM each TLB miss walks two
-page tables (the guest's and the host's). On the AVX2 VM (2026-12-03, one process,
-alternating) the GEMV over the 49 linears of a `small` step streamed 12-30 % faster from
-2 MiB pages (``madvise(MADV_HUGEPAGE)``, the kernel's "madvise" THP mode) than from
-4 KiB ones, and a plain sum of the same bytes 15 % faster. The calibration's bandwidth
-probe (search/calibrate/device.py) reads a buffer made here too, so the roofline's bandwidth is
-what the same kind of memory gives.
+A decode step reads every packed weight copy (serving/kernels/cpu_kernels.py) and the
+KV cache once, page by page; on a VM each TLB miss walks two page tables (the guest's
+and the host's), so these buffers go on 2 MiB pages (``madvise(MADV_HUGEPAGE)``, the
+kernel's "madvise" THP mode; docs/serving.md "CPU kernels" has the gain). The
+calibration's bandwidth probe (search/calibrate/device.py) reads a buffer made here too,
+so the roofline's bandwidth is what the same kind of memory gives.
 
 ``empty`` returns an uninitialised tensor whose storage starts on a 2 MiB boundary, with
 the advice given before any page is touched; where the advice is refused (no THP, not

@@ -7,16 +7,12 @@ Presets (parameter counts include the untied embedding and LM head):
 - ``small``: d_model 768, 12 layers, 12 heads, 4 KV heads, head_dim 64, vocab
   32000, SwiGLU intermediate 2048: ~125M parameters, ~100M of which are read
   per decode step (layers + LM head; the embedding is a row lookup), 200 MB in
-  bf16: far more than the ~64 MiB fast cache, so decode is memory-bound. The
+  bf16: far more than a CPU's fast cache, so decode is memory-bound. The
   same numbers are the roofline catalog's ``slotune-small`` (search/roofline/models.py).
 
-dtype: the demo runs **bfloat16**: decode reads half the bytes of fp32. On a CPU with
-bf16 matmul hardware (AMX, avx512_bf16) bf16 GEMMs are native and the decode curve is
-smooth with a knee where the roofline puts it; on one without (AVX2 only) the weights
-stay bf16 and the GEMMs multiply in fp32 (docs/serving.md "CPU kernels"). fp32 is
-supported but has a GEMM-kernel cliff (MKL small-M kernels: step time doubles between
-batch 2 and 4) that is an artefact of the library, not the roofline. On CUDA bf16 is
-the natural choice too.
+dtype: the demo runs **bfloat16**, which halves the bytes decode reads against fp32
+(docs/serving.md "Model dtype" says why not fp32, and how CPUs without bf16 matmul
+hardware run it).
 """
 
 from __future__ import annotations

@@ -99,9 +99,8 @@ class Linear(nn.Linear):
 @lru_cache(maxsize=1)
 def bf16_matmul_native() -> bool:
     """Whether this CPU multiplies bf16 matrices in bf16 hardware (oneDNN's kernels for
-    avx512_bf16 or AMX). Where it does not (an AVX2-only EPYC, 2026-12-03), torch's CPU bf16
-    GEMMs are a slow fallback: a [32, 768] x [768, 4096] linear took 16.8 ms against 4.8 ms
-    in fp32, a 1024^3 matmul 0.8 against 68 GFLOP/s (one thread each)."""
+    avx512_bf16 or AMX). Where it does not, torch's CPU bf16 GEMMs are a slow fallback,
+    several times slower than fp32 (docs/serving.md "CPU kernels")."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

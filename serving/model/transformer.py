@@ -4,18 +4,18 @@ RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention; both in
 serving/model/layers.py), grouped-query attention, SwiGLU. Sampling: serving/model/sampling.py.
 
 Fused linears: q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj`` (weights
-stacked by rows): 4 linears a layer, not 7; fewer, bigger GEMVs stream closer to the
-memory bandwidth (~35 GB/s cycling many small prepacked matrices, ~49 GB/s big ones).
-``state_dict`` still speaks the Hugging Face Llama layout: state-dict hooks split the
-fused weights on save and stack the Hugging Face ones on load, so a local safetensors
-checkpoint loads with ``load_state_dict`` (serving/model/checkpoint.py).
+stacked by rows): 4 linears a layer, not 7, since fewer, bigger GEMVs stream closer to
+the memory bandwidth. ``state_dict`` still speaks the Hugging Face Llama layout:
+state-dict hooks split the fused weights on save and stack the Hugging Face ones on
+load, so a local safetensors checkpoint loads with ``load_state_dict``
+(serving/model/checkpoint.py).
 
 The KV cache is one buffer per layer, ``[2, max_slots, n_kv_heads, max_len,
 head_dim]`` (K at index 0, V at 1), allocated once by
 :meth:`Transformer.allocate_cache` and written in place with a single
-``index_put_`` per layer (K and V together, rows computed once per step).
-A per-layer buffer, not slices of one (inductor copied those per layer: FIELD-NOTES).
-Each running request owns one slot (a row of every buffer).
+``index_put_`` per layer (K and V together, rows computed once per step); a buffer per
+layer, not slices of one buffer, which a compiler may copy per layer. Each running
+request owns one slot (a row of every buffer).
 
 One ``forward`` serves both phases: a decode step (``T == 1``, ``B`` requests
 at their own positions) and a prefill chunk (``B == 1``, ``T`` prompt tokens
@@ -24,8 +24,8 @@ slots are one ascending run (no copy), one ``index_select`` gather (K and V
 together) otherwise; an additive mask, built once per step, hides positions
 beyond each query's own. Whole ``max_len`` rows are read (see
 ``StepContext.read``), so size ``max_len`` to the contexts served. On CPU bf16 the C
-kernels run decode steps (serving/kernels/cpu_kernels.py; a whole step in one call where they
-can: serving/kernels/cpu_step.py).
+kernels run decode steps (serving/kernels/cpu_kernels.py; a whole step in one call
+where they can: serving/kernels/cpu_step.py; docs/serving.md "CPU kernels").
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ One engine step is three verbs (vLLM v1 ``EngineCore.step``)::
     sampled = executor.execute(plan)          # the model (or a simulated step time)
     finished = scheduler.update(plan, sampled, now_s=t1)
 
-The simulator (serving/sim/simulator.py) swaps the executor and keeps this scheduler.
+The simulator (serving/sim/simulator.py) swaps the executor and keeps this scheduler;
+its step is ``schedule_totals`` + ``update_seqs``, the same planning and book-keeping
+without the plan object and the per-request records.
 
 Policy
 ------
@@ -35,26 +37,8 @@ Positions: a decode entry feeds the last sampled token at cache position
 sums that over the decode entries (the roofline's ``B · ctx`` term); prefill
 cost is ``StepPlan.prefill_tokens``.
 
-Cost: a step is O(1) in the decode batch. The scheduler keeps the decoding set
-with running sums (its size, its KV tokens), finds the requests that reach
-``max_tokens`` by the step they do so (a list per step, a heap of the steps), hands
-plans a view of the decoding set rather than a copy, and builds a plan's decode
-entries and prefill chunks only when ``plan.decode`` or ``plan.prefill`` is read
-(serving/scheduler/plan.py, serving/scheduler/seq.py; the state between steps is in
-serving/scheduler/state.py). Work is per prefill chunk, per admission, per finish and
-per token handed to ``update`` (the engine hands one per sequence; the simulator
-none), so the simulator runs a batch of hundreds at the cost of a handful.
-
-The simulator's step is the same planning and bookkeeping without the plan object and
-the per-request records: ``schedule_totals`` is the planning (``schedule`` calls it and
-wraps its chunks and totals in a plan) and returns only the totals, and ``update_seqs``
-is ``update`` without tokens (``update`` calls it when given none, then makes its
-:class:`Finished` records from the finished requests' :class:`Seq`, which is what
-``update_seqs`` returns; with tokens, ``update`` shares its ``_prefilled``). Each is one
-call per step, with the per-request book-keeping inlined. A request is one :class:`Seq`
-from ``add`` to its finish (no :class:`SeqRequest` is kept). ``decode_run`` and
-``skip_decode_steps`` (serving/scheduler/state.py) let it pass over runs of decode-only steps
-without planning them.
+Cost: a step is O(1) in the decode batch; work is per prefill chunk, per admission,
+per finish and per token handed to ``update`` (docs/serving.md "Scheduler").
 
 Times are passed in (seconds on any monotonic clock). TTFT includes queueing:
 ``first_token_s - arrival_s``; TPOT = ``(last_token_s - first_token_s) /

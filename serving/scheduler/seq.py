@@ -7,16 +7,11 @@ the :class:`Finished` and :class:`RequestTiming` records are made from it only w
 wanted (``Seq.finished`` for the engine's ``update``, ``Seq.timing`` when a simulated
 result's timings are read).
 
-serving/scheduler/scheduler.py plans a step without building a :class:`DecodeEntry` per
-decoding sequence or a :class:`PrefillChunk` per chunk: it hands
-:meth:`StepPlan.lean` the counts, the step index, a view of the decoding set
-(:data:`DecodeView`: no copy of it per step) and each chunk as ``(seq, start,
-length)``. :func:`build_entries` turns that into the entry tuples when the plan's
-``decode`` or ``prefill`` is first read.
-Everything it reads is fixed by the time the plan is made (a sequence's slot,
-request and decode start; a chunk's start and length), except the sampled-token
-list, which only grows past the indices earlier plans read, so a plan's entries
-are the same whenever they are built.
+:func:`build_entries` turns a lean plan's data (the decoding set's view
+:data:`DecodeView` and the chunks as ``(seq, start, length)``) into the
+:class:`DecodeEntry` and :class:`PrefillChunk` tuples when the plan's ``decode`` or
+``prefill`` is first read; a plan's entries are the same whenever they are built
+(docs/serving.md "Scheduler").
 """
 
 from __future__ import annotations

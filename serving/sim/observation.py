@@ -2,15 +2,11 @@
 
 Exact percentiles and three-way SLO verdicts from the samples (metrics/samples.py),
 the same Observation a deployment yields. TTFT and TPOT are computed as arrays with
-the same float operations as RequestTiming's ``ttft_s`` and ``tpot_s``.
-
-Speed: a window's observation is a fixed cost of every simulated window, so each sample
-set is sorted once, its percentiles are read off the sorted array at the nearest ranks
-:func:`metrics.samples.exact_quantile` takes, and its verdict is
+the same float operations as RequestTiming's ``ttft_s`` and ``tpot_s``; goodput counts
+:meth:`metrics.observation.Slo.met`. Each sample set is sorted once: percentiles are
+read off it at the ranks :func:`metrics.samples.exact_quantile` takes and verdicts are
 :func:`metrics.samples.verdict_from_counts` of the count above the threshold (what
-``verdict_from_samples`` computes, without sorting the samples again for each call; its
-binomial and beta functions skip scipy.stats' per-call argument handling).
-tests/serving/test_sim.py checks the result against the plain per-request computation.
+``verdict_from_samples`` computes; tests/serving/test_sim.py checks they agree).
 """
 
 from __future__ import annotations

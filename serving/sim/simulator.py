@@ -1,62 +1,25 @@
 """Discrete-event simulator of one serving engine: the real scheduler, a virtual clock.
 
-The executor is swapped, not the scheduler (shared/DESIGN.md): each step is
-planned by :class:`serving.scheduler.scheduler.Scheduler` exactly as the engine plans it,
-its duration comes from a step-time function handed in (``StepPlan -> seconds``;
-the controller hands in the roofline's, so serving/ never imports search/),
-and the virtual clock advances by it. In front of the engine sits the admission
-limit of the deployment (Ray Serve's ``max_ongoing_requests``): at most
-``max_concurrency`` requests in flight; an arrival beyond it waits in a bounded
-queue (``queue_limit``) or is rejected and counted.
+The executor is swapped, not the scheduler: each step is planned by
+:class:`serving.scheduler.scheduler.Scheduler` exactly as the engine plans it, its
+duration comes from a step-time function handed in (``StepPlan -> seconds``; the
+controller hands in the roofline's, so serving/ never imports search/), and the virtual
+clock advances by it. In front of the engine sits the admission limit of the deployment
+(Ray Serve's ``max_ongoing_requests``): at most ``max_concurrency`` requests in flight;
+an arrival beyond it waits in a bounded queue (``queue_limit``) or is rejected and
+counted.
 
-Noise is the simulator's, not the step-time function's: a per-step lognormal
-jitter (``step_noise_cv``) and a per-run slowdown (``window_noise_cv``: a noisy
-neighbour for the whole window). A run measures the requests that finish in
+Noise is the simulator's, not the step-time function's: a per-step lognormal jitter
+(``step_noise_cv``) and a per-run slowdown (``window_noise_cv``: a noisy neighbour for
+the whole window). A run measures the requests that finish in
 ``[warmup_s, warmup_s + window_s]`` and returns the same :class:`Observation` a
-deployment yields: exact percentiles and three-way SLO verdicts from the
-per-request samples (:mod:`metrics.samples`). Deterministic under a seed. The window's
-configuration and result types (:class:`SimConfig`, :class:`SimResult`) live in
-serving/sim/result.py and are imported from here as before.
+deployment yields: exact percentiles and three-way SLO verdicts from the per-request
+samples (:mod:`metrics.samples`). Deterministic under a seed. The window's configuration
+and result types (:class:`SimConfig`, :class:`SimResult`) live in serving/sim/result.py.
 
-Speed. The scheduler costs O(1) per step whatever the decode batch and builds no
-plan entries the simulator does not read (see serving/scheduler/scheduler.py). A window's cost is
-then per step, per admitted request and fixed per window, and each is kept small:
-
-- per step: when the step-time function offers ``step_totals()`` (a function of a plan's
-  totals ``(decode_batch, kv_tokens, prefill_tokens, prefill_count) -> seconds``, equal
-  to calling it on such a plan; controller/sim/decode_run.py), a step is
-  ``Scheduler.schedule_totals`` + that function + ``Scheduler.update_seqs``: no plan
-  object, no Finished records. Other step-time functions get the plan of ``schedule``.
-- runs of decode-only steps between events (the next request to finish, the next
-  arrival that would be admitted, the window's end) are not planned at all: the
-  scheduler says how many there are (``decode_run``), their times come from the
-  function's ``decode_run(batch, kv_tokens[m]) -> seconds[m]`` in one vectorised call
-  when the run is long, else from ``step_totals``, the clock is summed over them one
-  step after another, and ``skip_decode_steps`` passes over them.
-- per request: the scheduler keeps one :class:`serving.scheduler.seq.Seq` from ``add_new``
-  to its finish; the simulator keeps the finished ones and makes nothing else for them
-  in the loop. The observation is computed from their times in numpy at the end, and
-  :class:`RequestTiming` records only when ``SimResult.timings`` is read.
-- arrivals while full: those that come while every admission is taken are queued or
-  turned away (counted in one bisect) once, when a request finishes and there is room
-  again (or at the end), not at every step: nothing else changes meanwhile, so it is
-  what doing it step by step gives.
-- per window: arrival times and lengths are read from buffer copies of the drawn arrays
-  (no Python object per arrival made up front: most are turned away), step noise is
-  drawn in blocks as needed, the observation sorts each sample set once
-  (serving/sim/observation.py) and its verdicts call scipy.special without
-  scipy.stats' argument handling (metrics/samples.py), and the cyclic garbage collector
-  is paused during a run.
-
-Installed, this module, the scheduler's (serving/scheduler/scheduler.py, sched_state.py,
-seq_state.py) and the step-time mirror (controller/sim/decode_run.py) are compiled to C by
-mypyc from these sources (serving/native.py; bench/sim_speed.py: 1.46-1.6x faster, the
-same results): the costs above are then those of C calls into CPython's dicts, lists and
-heaps.
-
-Results are the same, bit for bit, whichever path a step takes
-(tests/serving/test_sim.py checks them against the plain reference loop, and
-bench/sim_speed.py checks its variants agree).
+A step-time function may offer ``step_totals`` (seconds from a plan's totals) and
+``decode_run`` (seconds of a run of decode-only steps, vectorised): the simulator then
+takes its fast paths, with the same results bit for bit (docs/serving.md "Simulator").
 """
 
 from __future__ import annotations
