@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,12 +53,13 @@ logger = logging.getLogger(__name__)
 SAMPLERS = ("gp", "tpe", "random")
 PHASES = ("seed", "guided", "remeasure", "sampler", "external")
 CONSTRAINT_NAMES = ("ttft_p99_minus_slo_s", "tpot_p99_minus_slo_s")
+METRIC_NAME = "goodput"  # the study's one objective (maximised), requests/s within the SLO
 _GUIDE_DONE = "slotune_guide_done"
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrialRecord:
-    """One trial as the report shows it."""
+class TunerTrial:
+    """One trial as the tuner stored it in the study: its knobs, phase, state and verdict."""
 
     number: int
     knobs: Knobs
@@ -141,6 +143,9 @@ class Tuner:
             sampler=make_sampler(sampler, seed=seed, n_startup_trials=n_startup_trials),
             load_if_exists=True,
         )
+        with warnings.catch_warnings():  # experimental in Optuna, stable in use
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self.study.set_metric_names([METRIC_NAME])  # optuna-dashboard shows "goodput"
         self._pending: optuna.trial.Trial | None = None
         self._fail_interrupted()
 
@@ -268,7 +273,7 @@ class Tuner:
 
     # -- tell --------------------------------------------------------------------------
 
-    def report(self, knobs: Knobs, observation: Observation) -> TrialRecord:
+    def report(self, knobs: Knobs, observation: Observation) -> TunerTrial:
         """Record one measured window of ``knobs`` (proposed or not)."""
         if self._pending is not None and self._knobs_of_trial(self._pending) == knobs:
             trial = self._pending
@@ -299,7 +304,7 @@ class Tuner:
             ev.feasible,
             ev.reason,
         )
-        return TrialRecord(
+        return TunerTrial(
             number=trial.number,
             knobs=knobs,
             phase=str(trial.user_attrs.get("phase", "")),
@@ -339,7 +344,7 @@ class Tuner:
     def should_stop(self) -> bool:
         return self.stop_reason() is not None
 
-    def trials(self) -> list[TrialRecord]:
+    def trials(self) -> list[TunerTrial]:
         """Every trial so far, in order (for reports)."""
         out = []
         for t in self.study.get_trials(deepcopy=False):
@@ -348,7 +353,7 @@ class Tuner:
             ua = t.user_attrs
             cons = t.constraints
             out.append(
-                TrialRecord(
+                TunerTrial(
                     number=t.number,
                     knobs=self._knobs_of(t),
                     phase=str(ua.get("phase", "")),

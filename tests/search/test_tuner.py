@@ -15,7 +15,7 @@ from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdi
 from search.guide import Guide
 from search.space import Knobs, SearchSpace
 from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
-from search.tuner import CONSTRAINT_NAMES, Tuner
+from search.tuner import CONSTRAINT_NAMES, Tuner, open_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
@@ -399,6 +399,16 @@ def test_journal_resume_marks_the_interrupted_trial_failed(tmp_path: Path) -> No
     assert b.trials()[-1].number == 4  # resumed, not restarted
     # Guidance state is derived from stored trials: no second seed trial.
     assert sum(1 for r in b.trials() if r.phase == "seed") == 1
+
+
+def test_the_stored_study_names_its_objective_goodput(tmp_path: Path) -> None:
+    # optuna-dashboard labels the objective by the study's metric names ("Objective 0"
+    # without them); the name is stored with the study, so any reader sees it.
+    t = make(tmp_path, name="named")
+    k = t.propose()
+    t.report(k, Fleet()(k))
+    storage = open_storage(str(tmp_path / "study.journal"))
+    assert optuna.load_study(study_name="named", storage=storage).metric_names == ["goodput"]
 
 
 def test_storage_url_is_accepted(tmp_path: Path) -> None:
