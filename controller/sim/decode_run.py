@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from serving.scheduler.plan import PrefillChunk, StepPlan
 
 if TYPE_CHECKING:
-    from controller.sim.target import SimTarget
+    from controller.sim.scenarios import Efficiency
+    from search.roofline.curve import Roofline
+    from serving.sim.result import SimConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +89,21 @@ def _check_grid(capacity: int) -> list[tuple[int, int, tuple[int, ...]]]:
     return out
 
 
+class SteppedTarget(Protocol):
+    """What the mirror reads of a simulated target (``controller.sim.target.SimTarget``):
+    its step-time function and what that function computes from."""
+
+    roofline: Roofline  # the peak roofline, at the scenario's mean context
+    efficiency: Efficiency  # how far below the peak the simulated hardware runs
+    sim_config: SimConfig  # its max_slots bound the plans the mirror is checked on
+
+    def step_time(self, plan: StepPlan) -> float: ...
+
+
 class DecodeRunStepTime:
     """``target.step_time`` made fast, plus ``decode_run`` (see module doc)."""
 
-    def __init__(self, target: SimTarget) -> None:
+    def __init__(self, target: SteppedTarget) -> None:
         self.target = target
         self._per_batch: dict[int, tuple[float, ...]] = {}
         self._factor: dict[int, float] = {}  # the efficiency's factor per decode batch
