@@ -5,12 +5,10 @@ knobs are applied in place (``serving.app.deploy.update_knobs``: ``user_config``
 and ``max_ongoing_requests``, no replica restart), the load generator offers a
 saturating closed loop at the candidate's admission limit, and the window's
 :class:`~metrics.observation.Observation` is read from Prometheus-format metrics
-(Ray's metrics export port scraped directly, or a Prometheus server). The
-load generator's own view of the same window rides along as a cross-check.
-The window readers live in ``controller/windows.py``, the failure types in
-``controller/target_errors.py``; both are importable from here.
-
-The simulator target (``controller/sim/target.py``) implements the same protocol.
+(Ray's metrics export port scraped directly, or a Prometheus server, through a
+``controller.windows.WindowReader``). The load generator's own view of the same window
+rides along as a cross-check. A failed apply or window raises one of
+``controller.target_errors``.
 """
 
 from __future__ import annotations
@@ -20,14 +18,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from controller.load.generator import run_load
 from controller.load.result import LoadResult, RequestRecord, client_observation
-from controller.load.spec import LengthDist, TraceItem, completions_url, saturating_spec
+from controller.load.spec import TraceItem, completions_url, saturating_spec
 from controller.target_errors import TargetError
 from controller.windows import WindowReader
 from metrics.observation import Observation, Slo
+from serving.sim.workload import LengthDist
+
+if TYPE_CHECKING:
+    from search.space import Knobs
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +48,15 @@ class Measurement:
 class Target(Protocol):
     """Anything the canary loop can tune (a Ray Serve deployment, the simulator)."""
 
-    def current_knobs(self) -> Any | None:
-        """The knobs the target runs on now (``search.space.Knobs``), None if unknown."""
+    def current_knobs(self) -> Knobs | None:
+        """The knobs the target runs on now, None if unknown."""
         ...
 
-    def apply(self, knobs: Any) -> None:
+    def apply(self, knobs: Knobs) -> None:
         """Apply ``knobs`` live and return once they are in effect."""
         ...
 
-    def measure(self, knobs: Any) -> Measurement:
+    def measure(self, knobs: Knobs) -> Measurement:
         """Warm up on the applied knobs, then measure one window under saturating load."""
         ...
 
@@ -105,7 +107,7 @@ class RequestShape:
 async def measure_window(
     *,
     url: str,
-    knobs: Any,
+    knobs: Knobs,
     slo: Slo,
     plan: WindowPlan,
     shape: RequestShape,
@@ -169,7 +171,8 @@ async def _sleep_unless(task: asyncio.Task[Any], seconds: float) -> None:
 
 
 class RayServeTarget:
-    """A live deployment of ``serving.app.server:app`` on a Ray cluster this process is attached to."""
+    """A live deployment of ``serving.app.server:app`` on the Ray cluster this process is
+    attached to."""
 
     def __init__(
         self,
@@ -192,7 +195,7 @@ class RayServeTarget:
         self._describe = dict(describe or {})
         self.apply_timeout_s = apply_timeout_s
 
-    def current_knobs(self) -> Any | None:
+    def current_knobs(self) -> Knobs | None:
         from search.space import Knobs
         from serving.app.deploy import replica_states
 
@@ -209,7 +212,7 @@ class RayServeTarget:
         except ValueError:
             return None
 
-    def apply(self, knobs: Any) -> None:
+    def apply(self, knobs: Knobs) -> None:
         from serving.app.deploy import update_knobs
         from serving.app.replicas import DeployError
 
@@ -224,7 +227,7 @@ class RayServeTarget:
         except (DeployError, ValueError) as e:
             raise TargetError(f"applying {knobs} to app {self.app_name!r} failed: {e}") from e
 
-    def measure(self, knobs: Any) -> Measurement:
+    def measure(self, knobs: Knobs) -> Measurement:
         return asyncio.run(
             measure_window(
                 url=self.url,

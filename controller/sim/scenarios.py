@@ -121,8 +121,8 @@ class Scenario:
 
 # Short chat turns: prompts ~128 tokens, answers ~48 (keeps a window cheap to simulate).
 _CHAT = dict(
-    prompt=LengthDist(kind="lognormal", mean=128, cv=0.6, lo=16, hi=512),
-    output=LengthDist(kind="lognormal", mean=48, cv=0.5, lo=4, hi=256),
+    prompt=LengthDist.lognormal(mean=128, cv=0.6, lo=16, hi=512),
+    output=LengthDist.lognormal(mean=48, cv=0.5, lo=4, hi=256),
 )
 
 SCENARIOS: dict[str, Scenario] = {
@@ -136,8 +136,8 @@ SCENARIOS: dict[str, Scenario] = {
             # Short prompts: a CPU at 272 GFLOP/s spends ~25 ms prefilling 16 tokens.
             workload=Workload(
                 rate_rps=1.0,
-                prompt=LengthDist(kind="lognormal", mean=16, cv=0.5, lo=4, hi=64),
-                output=LengthDist(kind="lognormal", mean=64, cv=0.5, lo=8, hi=256),
+                prompt=LengthDist.lognormal(mean=16, cv=0.5, lo=4, hi=64),
+                output=LengthDist.lognormal(mean=64, cv=0.5, lo=8, hi=256),
             ),
             max_len=512,
             window_s=60.0,
