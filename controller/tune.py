@@ -24,14 +24,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from controller.progress import Progress
-from controller.report.curve import CurveReport, write_report
+from controller.report.curve import CurveReport
+from controller.report.files import write_report
 from controller.report.records import TrialRecord
 from controller.target_errors import TargetError, TargetUnavailable
-from controller.targets import Measurement
-from metrics.observation import Observation
+from controller.targets import Measurement, Target
+from metrics.observation import DEFAULT_SLO, Slo
+from search.space import Knobs
+
+if TYPE_CHECKING:
+    from search.tuner import Tuner
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,7 @@ class TuneOutcome:
     stop_reason: str
     aborted: str = ""  # why a fault or Ctrl-C ended the run ("" when it ended normally)
     interrupted: bool = False  # Ctrl-C
-    final_knobs: Any | None = None  # what the deployment was left on
+    final_knobs: tuple[int, int] | None = None  # (max_batch_size, max_concurrency) left on
     final_note: str = ""
     paths: dict[str, Path] = field(default_factory=dict)
 
@@ -75,38 +80,17 @@ class TuneOutcome:
         return self.report.chosen is not None
 
 
-class TunerLike(Protocol):
-    def propose(self) -> Any: ...
-
-    def report(self, knobs: Any, observation: Observation) -> Any: ...
-
-    def should_stop(self) -> bool: ...
-
-    def fail_pending(self, reason: str) -> None: ...
-
-
-def _as_measurement(x: Any) -> Measurement:
-    return x if isinstance(x, Measurement) else Measurement(observation=x)
-
-
-def _study(tuner: Any) -> Any | None:
-    return getattr(tuner, "study", None)
-
-
-def _save_to_study(tuner: Any, key: str, value: dict[str, Any]) -> None:
-    study = _study(tuner)
-    if study is None:
-        return
+def _save_to_study(tuner: Tuner, key: str, value: dict[str, Any]) -> None:
     try:
-        study.set_user_attr(key, value)
+        tuner.study.set_user_attr(key, value)
     except Exception as e:  # storage trouble must not lose the run; the JSONL has it
         log.warning("could not store %s in the study: %s", key, e)
 
 
 def run_tune(
     *,
-    target: Any,
-    tuner: TunerLike,
+    target: Target,
+    tuner: Tuner,
     base: CurveReport,
     limits: TuneLimits,
     out_dir: str | Path,
@@ -117,18 +101,15 @@ def run_tune(
     """Tune ``target`` until the stop rule, ``max_trials`` or the time budget; export the
     report into ``out_dir`` and leave the target on the last known-good knobs."""
     progress = progress or Progress()
-    rule = getattr(tuner, "stop_rule", None)
-    if rule is not None:  # the report declares a knob on as many windows as the tuner
-        base = replace(base, confirmations=rule.confirmations)
+    # the report declares a knob on as many windows as the tuner
+    base = replace(base, confirmations=tuner.stop_rule.confirmations)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "trials.jsonl"
     _save_to_study(
         tuner, STUDY_META_KEY, {k: v for k, v in base.to_dict().items() if k != "trials"}
     )
-    current = getattr(target, "current_knobs", lambda: None)
-    original = current()
-    apply = getattr(target, "apply", None)
+    original = target.current_knobs()
     records: list[TrialRecord] = []
     walls: list[float] = []
     stop_reason = ""
@@ -153,26 +134,23 @@ def run_tune(
             # the tuner's own rule; a tuner stopping at its max_trials without one has
             # nothing to deploy, and the budget is better spent measuring on).
             if tuner.should_stop() and base.with_trials(records).chosen is not None:
-                why = getattr(tuner, "stop_reason", lambda: None)()
+                why = tuner.stop_reason()
                 stop_reason = f"stop rule: {why}" if why else "stop rule"
                 break
             knobs = tuner.propose()
             progress.begin(len(records) + 1, total, knobs)
             t0 = clock()
-            if apply is not None:
-                apply(knobs)
+            target.apply(knobs)
             m = _measure_with_retries(target, knobs, limits, progress, sleep)
             told = tuner.report(knobs, m.observation)
-            number = int(getattr(told, "number", len(records)))
-            feasible = bool(getattr(told, "feasible", m.observation.feasible))
-            why = str(getattr(told, "reason", "") or "")
+            number = told.number
             # the tuner's reason, then what the metrics source said (why stale or thin)
-            note = m.note or "; ".join(x for x in (why, m.observation.note) if x)
+            note = m.note or "; ".join(x for x in (told.reason, m.observation.note) if x)
             rec = TrialRecord.from_observation(
                 number=number,
                 knobs=knobs,
                 obs=m.observation,
-                feasible=feasible,
+                feasible=told.feasible,
                 wall_s=clock() - t0,
                 client=m.client,
                 client_errors=m.client_errors,
@@ -199,7 +177,7 @@ def run_tune(
             log.warning("could not mark the interrupted trial failed: %s", e)
         progress.message(f"[red]{aborted}[/]: exporting the best so far")
     report = base.with_trials(records, stop_reason=stop_reason)
-    final, note = _leave_on_known_good(report, original, apply, progress)
+    final, note = _leave_on_known_good(report, original, target)
     meta = dict(report.meta)
     meta.update(
         {
@@ -228,11 +206,15 @@ def run_tune(
 
 
 def _measure_with_retries(
-    target: Any, knobs: Any, limits: TuneLimits, progress: Progress, sleep: Callable[[float], None]
+    target: Target,
+    knobs: Knobs,
+    limits: TuneLimits,
+    progress: Progress,
+    sleep: Callable[[float], None],
 ) -> Measurement:
     for attempt in range(limits.retries + 1):
         try:
-            return _as_measurement(target.measure(knobs))
+            return target.measure(knobs)
         except TargetUnavailable as e:
             if attempt == limits.retries:
                 raise
@@ -245,19 +227,12 @@ def _measure_with_retries(
 
 
 def _leave_on_known_good(
-    report: CurveReport,
-    original: Any | None,
-    apply: Callable[[Any], None] | None,
-    progress: Progress,
+    report: CurveReport, original: Knobs | None, target: Target
 ) -> tuple[tuple[int, int] | None, str]:
     """Apply the best feasible point measured, else the knobs from before tuning."""
     chosen = report.chosen
     if chosen is not None:
-        from search.space import Knobs
-
-        knobs: Any = Knobs(
-            max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency
-        )
+        knobs = Knobs(max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency)
         why = (
             f"left on the best feasible point measured: max_batch_size={chosen.max_batch_size}"
             f" max_concurrency={chosen.max_concurrency} (trial {chosen.number + 1})"
@@ -267,10 +242,8 @@ def _leave_on_known_good(
         why = "no feasible point: restored the knobs the deployment had before tuning"
     else:
         return None, "no feasible point and no earlier knobs known: deployment not changed"
-    if apply is None:
-        return (knobs.max_batch_size, knobs.max_concurrency), why + " (target has no apply)"
     try:
-        apply(knobs)
+        target.apply(knobs)
     except KeyboardInterrupt:
         why = f"interrupted while applying {knobs}: check the deployment"
     except Exception as e:  # report it: the run's result still stands
@@ -287,14 +260,15 @@ def report_from_study(storage: str, study_name: str | None = None) -> CurveRepor
     are rebuilt from the tuner's per-trial attributes, with no prediction."""
     import optuna
 
-    from metrics.observation import Slo
     from search.tuner import open_storage
 
     st = open_storage(storage)
     names = optuna.get_all_study_names(st)
     if study_name is None:
         if len(names) != 1:
-            raise ValueError(f"storage {storage!r} holds studies {names}: name one with --study")
+            raise ValueError(
+                f"storage {storage!r} holds studies {names}: name one with --study-name"
+            )
         study_name = names[0]
     if study_name not in names:
         raise ValueError(f"study {study_name!r} not in {storage!r} (it holds {names})")
@@ -307,7 +281,7 @@ def report_from_study(storage: str, study_name: str | None = None) -> CurveRepor
     if meta is not None:
         return CurveReport.from_dict({**meta, "trials": [t.to_dict() for t in trials]})
     # A study of the bare tuner: rebuild what its trial attributes hold.
-    slo = _slo_from_trials(study) or Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
+    slo = _slo_from_trials(study) or DEFAULT_SLO
     recs = []
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
@@ -343,9 +317,8 @@ def _f(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-def _slo_from_trials(study: Any) -> Any | None:
+def _slo_from_trials(study: Any) -> Slo | None:
     """The SLO a bare tuner study was run under, from its constraints (p99 − SLO)."""
-    from metrics.observation import Slo
     from search.tuner import CONSTRAINT_NAMES
 
     # Only a MET verdict's constraint is exactly p99 - SLO (others are floored at > 0).

@@ -1,8 +1,9 @@
 """Where ``slotune tune`` runs: start a local Ray or attach to one, deploy the built-in
 model or check the given deployment, and pick the metrics source of its windows.
 
-:func:`prepare` does all of it before the first trial and returns a :class:`Setup`,
-the calibrated hardware and the planned search (``controller.tune_plan``).
+:func:`prepare` does all of it before the first trial and returns a :class:`Prepared`:
+the :class:`Setup` it attached to or started, the calibrated hardware and the planned
+search (:class:`controller.tune_plan.SearchPlan`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from controller.errors import BadInput
-from controller.tune_plan import hardware_spec, plan_search
+from controller.tune_plan import SearchPlan, hardware_spec, plan_search
+
+if TYPE_CHECKING:
+    from controller.targets import RequestShape
+    from controller.windows import WindowReader
+    from metrics.observation import Slo
+    from search.roofline.hardware import HardwareSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +39,7 @@ class Setup:
 
     app: str
     url: str  # HTTP base of the app
-    reader: Any
+    reader: WindowReader
     reader_desc: str
     started_ray: bool
     device: str
@@ -134,8 +141,8 @@ def ray_metrics_url() -> str:
 
 
 def make_reader(
-    *, slo: Any, app: str, metrics_url: str | None, prometheus_url: str | None, prefix: str
-) -> tuple[Any, str]:
+    *, slo: Slo, app: str, metrics_url: str | None, prometheus_url: str | None, prefix: str
+) -> tuple[WindowReader, str]:
     from controller.windows import PromQLWindow, ScrapeWindow
     from metrics.sources import PromQLSource, ScrapeSource
 
@@ -189,58 +196,85 @@ def local_device() -> str:
         return "cpu"
 
 
-def prepare(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """What :func:`prepare` leaves ready for the first trial."""
+
+    setup: Setup
+    hardware: HardwareSpec  # calibrated at the replica's torch threads
+    hardware_note: str  # where the calibration came from, for the report
+    plan: SearchPlan
+
+
+def prepare(
+    *,
+    address: str | None,
+    app_name: str | None,
+    deployment: str | None,
+    url: str | None,
+    metrics_url: str | None,
+    prometheus_url: str | None,
+    prefix: str,
+    slo: Slo,
+    model: str,
+    max_slots: int,
+    price: float | None,
+    shape: RequestShape,
+    quiet: bool,
+) -> Prepared:
     """Start or attach, deploy if needed, calibrate at the replica's thread count, and plan
-    the search. Keywords: address, app_name, deployment, url, metrics_url, prometheus_url,
-    prefix, slo, model, slots, price, shape, quiet."""
+    the search.
+
+    No ``address`` and no ``app_name``: start a local Ray and deploy the built-in ``model``
+    with ``max_slots`` KV slots; ``address`` alone: attach and deploy there; ``app_name``:
+    attach to that existing application (``deployment`` within it). ``url`` overrides the
+    app's HTTP base, ``metrics_url`` or ``prometheus_url`` the metrics source (names
+    carrying ``prefix``); ``shape`` sets the context the roofline predicts at."""
     from serving.app.deploy import deploy_app
     from serving.app.replicas import DeployError
 
-    app = kw["app_name"]
-    slo = kw["slo"]
-    quiet = kw["quiet"]
-    context = round(kw["shape"].prompt_tokens.mean + kw["shape"].output_tokens.mean / 2)
+    app = app_name
+    context = round(shape.prompt_tokens.mean + shape.output_tokens.mean / 2)
     device = local_device()
     started = False
-    if kw["address"] is None and app is None:
+    if address is None and app is None:
         if not quiet:
             print("slotune: starting a local Ray and Serve (127.0.0.1) ...", file=sys.stderr)
         metrics_port, _ = start_local_ray()
         started = True
-        metrics_url = kw["metrics_url"] or f"http://127.0.0.1:{metrics_port}/metrics"
+        metrics_url = metrics_url or f"http://127.0.0.1:{metrics_port}/metrics"
     else:
-        attach_ray(kw["address"])
-        metrics_url = kw["metrics_url"]
+        attach_ray(address)
     if app is None:
         threads, threads_from = embedded_threads(), "the built-in deployment"
     else:
-        check_deployment(app, kw["deployment"])
+        check_deployment(app, deployment)
         threads, threads_from = replica_threads(app)
     hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
     hw_note += f"; replica threads from {threads_from}"
     searched = plan_search(
-        model=kw["model"],
+        model=model,
         hardware=hw,
         slo=slo,
-        price=kw["price"],
-        max_slots=kw["slots"],
+        price=price,
+        max_slots=max_slots,
         context=context,
     )
     if app is None:
         app = "slotune"
-        first = searched["seeds"][0]
+        first = searched.seeds[0]
         if not quiet:
             print(
-                f"slotune: deploying the built-in {kw['model']!r} model on {device} ...",
+                f"slotune: deploying the built-in {model!r} model on {device} ...",
                 file=sys.stderr,
             )
         try:
             deploy_app(
-                model=kw["model"],
+                model=model,
                 max_batch_size=first.max_batch_size,
                 max_ongoing_requests=first.max_concurrency,
                 slo=slo,
-                max_slots=kw["slots"],
+                max_slots=max_slots,
                 max_queued_requests=-1,
                 name=app,
                 device=device,
@@ -252,18 +286,18 @@ def prepare(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
         slo=slo,
         app=app,
         metrics_url=metrics_url,
-        prometheus_url=kw["prometheus_url"],
-        prefix=kw["prefix"],
+        prometheus_url=prometheus_url,
+        prefix=prefix,
     )
     setup = Setup(
         app=app,
-        url=kw["url"] or serve_url(app),
+        url=url or serve_url(app),
         reader=reader,
         reader_desc=desc,
         started_ray=started,
         device=device,
     )
-    return setup, hw, hw_note, searched
+    return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
 
 
 def shutdown_local() -> None:

@@ -12,11 +12,7 @@ import sys
 
 import typer
 
-from controller.cli import observe as cli_metrics
-from controller.cli import roofline as cli_roofline
-from controller.cli import serve as cli_serve
-from controller.cli import simulate as cli_simulate
-from controller.cli import tune as cli_tune
+from controller.cli import calibrate, export, observe, roofline, serve, simulate, tune
 from controller.errors import BadInput, NoFeasiblePoint
 
 app = typer.Typer(
@@ -38,12 +34,9 @@ def _root(
     )
 
 
-# Command registration: one line per command module.
-cli_roofline.register(app)  # roofline, calibrate
-cli_tune.register(app)  # tune, export
-cli_serve.register(app)  # serve
-cli_metrics.register(app)  # observe
-cli_simulate.register(app)  # simulate
+# One module per command, registered in the order `slotune --help` lists them.
+for command in (roofline, calibrate, tune, export, serve, observe, simulate):
+    command.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,20 +1,15 @@
-"""``slotune roofline`` and ``slotune calibrate``.
+"""``slotune roofline``: the decode throughput-latency curve of a model on a device.
 
-``roofline`` derives the decode throughput-latency curve of a model on a device
-from the bandwidth/compute roofline (search/roofline/curve.py) and says where to
-operate under a TPOT SLO, at what cost. ``calibrate`` measures this machine so
-the same analysis can be run on it (``--hardware local`` or the JSON it wrote).
+It derives the curve from the bandwidth/compute roofline (search/roofline/curve.py) and
+says where to operate under a TPOT SLO, at what cost. ``--hardware local`` reads what
+``slotune calibrate`` measured on this machine.
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
-import logging
 import math
-import os
-import sys
 from pathlib import Path
 
 import typer
@@ -26,8 +21,6 @@ from search.roofline.curve import Roofline
 from search.roofline.hardware import HARDWARE_NAMES, HardwareSpec, resolve_hardware
 from search.roofline.models import MODEL_NAMES, ModelSpec, resolve_model
 from search.roofline.operating_point import RooflineAnalysis, analyze
-
-logger = logging.getLogger(__name__)
 
 LOCAL = "local"
 
@@ -49,7 +42,8 @@ def _hardware(value: str) -> HardwareSpec:
         raise BadInput(f"--hardware {value}: {e}") from None
 
 
-def _model(value: str) -> ModelSpec:
+def model_spec(value: str) -> ModelSpec:
+    """The ``--model`` flag's model spec; a bad value is a one-line error."""
     try:
         return resolve_model(value)
     except ValueError as e:
@@ -177,7 +171,7 @@ def roofline(
         raise BadInput(f"--max-batch {max_batch}: must be >= 1")
     if plot_path is not None and plot_path.suffix.lower() != ".png":
         raise BadInput(f"--plot {plot_path}: must end in .png")
-    m, hw = _model(model), _hardware(hardware)
+    m, hw = model_spec(model), _hardware(hardware)
     try:
         r = Roofline(
             model=m,
@@ -214,106 +208,5 @@ def roofline(
         )
 
 
-def calibrate(
-    quick: bool = typer.Option(False, "--quick", help="A few seconds, coarse (for tests)."),
-    device: str = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: cuda if any)."),
-    out: Path = typer.Option(
-        None, "--out", help="Where to write the hardware JSON (default: the user cache)."
-    ),
-    model: str = typer.Option(
-        "slotune-small", "--model", "-m", help="Model whose decode shapes to measure."
-    ),
-    dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="Comma-separated: fp32,bf16,fp16."),
-    name: str = typer.Option(None, "--name", help="Name of the hardware spec."),
-    threads: int = typer.Option(
-        None, "--threads", help="torch CPU threads (default: torch's; match the server's)."
-    ),
-    price_per_hour: float = typer.Option(0.0, "--price-per-hour", help="USD per device-hour."),
-    as_json: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
-) -> None:
-    """Measure this device (memory bandwidth, matmul peaks, decode-shape throughput) and
-    write a hardware JSON that `slotune roofline --hardware` reads."""
-    if "torch" in sys.modules:
-        logger.warning("torch already imported: OMP_WAIT_POLICY cannot be set any more")
-    # Spinning OpenMP threads on a shared CPU distort every figure (FIELD-NOTES).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from search.calibrate import device as calib  # torch is imported only when calibrating
-
-    if threads is not None:
-        if threads < 1:
-            raise BadInput(f"--threads {threads}: must be >= 1")
-        calib.torch.set_num_threads(threads)
-
-    m = _model(model)
-    wanted = tuple(d.strip() for d in dtypes.split(",") if d.strip())
-    if not (math.isfinite(price_per_hour) and price_per_hour >= 0):
-        raise BadInput(f"--price-per-hour {price_per_hour:g}: must be a number >= 0")
-    try:
-        dev = calib.pick_device(device)
-        cal = calib.calibrate(
-            device=device,
-            plan=calib.PLANS["quick" if quick else "full"],
-            model=m,
-            dtypes=wanted,
-            name=name,
-        )
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    spec = dataclasses.replace(cal.spec, usd_per_hour=price_per_hour)
-    path = out or calib.default_cache_path(dev)
-    spec.to_json(path, extra=cal.measured)
-    if as_json:
-        typer.echo(json.dumps({"path": str(path), **cal.measured}))
-        return
-    ms = cal.measured
-    console = Console(soft_wrap=True)
-    console.print(
-        f"{ms['device']}, {ms['threads']} threads, {cal.elapsed_s:.1f} s "
-        f"({ms['plan']} plan; decode shapes of {m.name})",
-        highlight=False,
-    )
-    console.print(
-        f"memory bandwidth     {ms['mem_bandwidth_gb_s']:.1f} GB/s (sum over a filled tensor)",
-        highlight=False,
-    )
-    console.print(
-        "  ".join(
-            f"{d}: matmul peak {spec.peak_flops[d] / 1e9:,.0f} GFLOP/s, "
-            f"ridge {spec.ridge_flops_per_byte(d):.0f} FLOP/B"
-            for d in wanted
-        ),
-        highlight=False,
-    )
-    t = Table(
-        title="decode shapes: the model's linears (weight GB/s | GFLOP/s)", title_justify="left"
-    )
-    t.add_column("batch", justify="right")
-    for d in wanted:
-        t.add_column(f"{d} GB/s", justify="right")
-        t.add_column(f"{d} GFLOP/s", justify="right")
-    for b in spec.decode[wanted[0]].weight_rate:
-        cells = []
-        for d in wanted:
-            cells.append(f"{ms['decode_linear_gb_s'][d][b]:.2f}")
-            cells.append(f"{ms['decode_linear_gflop_s'][d][b]:.0f}")
-        t.add_row(str(b), *cells)
-    console.print(t)
-    for d in wanted:
-        kv = ", ".join(f"B={b}: {r / 1e9:.2f}" for b, r in spec.decode[d].kv_rate.items())
-        ov = ", ".join(f"B={b}: {t:.0f}" for b, t in ms["decode_layer_overhead_us"][d].items())
-        console.print(
-            f"{d} attention KV read (context {ms['context']}) GB/s: {kv}; "
-            f"rest of a layer (norms, rotary, cache writes) us: {ov}",
-            highlight=False,
-        )
-    console.print(f"wrote {path}", highlight=False)
-    console.print(
-        f"use it: slotune roofline --hardware {LOCAL if out is None else path} "
-        f"--model {m.name} --context 256 --slo-tpot-ms 50",
-        highlight=False,
-    )
-
-
 def register(app: typer.Typer) -> None:
     app.command("roofline")(roofline)
-    app.command("calibrate")(calibrate)

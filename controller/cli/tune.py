@@ -1,4 +1,4 @@
-"""``slotune tune`` (the canary job) and ``slotune export`` (rebuild a report from a study).
+"""``slotune tune``: the canary job.
 
 ``slotune tune`` with no arguments starts a local Ray, deploys the built-in
 ``small`` model on the local device (CUDA if there is one, else CPU), calibrates
@@ -18,27 +18,26 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from controller.errors import BadInput, NoFeasiblePoint
 from controller.report.cost import catalog_price, cost_sentence
-from controller.tune_plan import DEFAULT_SLOTS, MODELS
-from controller.tune_setup import (
-    Setup,
-    SetupFailed,
-    local_device,
-    prepare,
-    shutdown_local,
-)
+from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS
+from controller.tune_setup import SetupFailed, local_device, prepare, shutdown_local
+from metrics.observation import DEFAULT_SLO
+
+if TYPE_CHECKING:
+    from controller.targets import WindowPlan
+    from controller.tune import TuneOutcome
+    from controller.windows import WindowReader
 
 log = logging.getLogger(__name__)
-
-# Importable from here as before (bench/tune_vs_grid.py, tests).
-_shutdown_local = shutdown_local  # the old name
 
 
 def _positive(flag: str, v: float | None, *, allow_none: bool = False) -> None:
@@ -56,8 +55,12 @@ def tune(
     metrics_url: str = typer.Option(None, "--metrics-url", help="Prometheus text endpoint."),
     prometheus_url: str = typer.Option(None, "--prometheus-url", help="Prometheus server."),
     metrics_prefix: str = typer.Option("ray_", "--metrics-prefix", help="Exported name prefix."),
-    slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."),
-    slo_tpot_ms: float = typer.Option(100.0, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."),
+    slo_ttft_ms: float = typer.Option(
+        DEFAULT_SLO.ttft_p99_s * 1e3, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."
+    ),
+    slo_tpot_ms: float = typer.Option(
+        DEFAULT_SLO.tpot_p99_s * 1e3, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."
+    ),
     price_per_hour: float = typer.Option(None, "--price-per-hour", help="USD per device-hour."),
     max_trials: int = typer.Option(20, "--max-trials", help="At most this many trials."),
     time_budget: float = typer.Option(240.0, "--time-budget", help="Seconds for the trials."),
@@ -72,19 +75,22 @@ def tune(
     model: str = typer.Option("small", "--model", help="Built-in model: tiny | small."),
     max_slots: int = typer.Option(None, "--max-slots", help="KV slots of the built-in app."),
     out: Path = typer.Option(None, "--out", help="Default ./slotune-out/<timestamp>/."),
-    storage: str = typer.Option(None, "--storage", help="Optuna storage (default OUT/study)."),
-    study_name: str = typer.Option("slotune-tune", "--study", help="Study name."),
+    study: str = typer.Option(
+        None, "--study", help="Optuna study storage: a journal file or a URL (default OUT/study)."
+    ),
+    study_name: str = typer.Option("slotune-tune", "--study-name", help="Study name."),
     seed: int = typer.Option(0, "--seed", help="Sampler and load seed."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress display."),
 ) -> None:
     """Find the operating point of a live deployment and export the curve."""
-    from controller.load.spec import LengthDist, load_trace
+    from controller.load.spec import load_trace
     from controller.progress import Progress, RichProgress
     from controller.report.curve import CurveReport
     from controller.targets import RayServeTarget, RequestShape, WindowPlan
     from controller.tune import TuneLimits, run_tune
     from metrics.observation import Slo
     from search.tuner import Tuner
+    from serving.sim.workload import LengthDist
 
     _positive("--slo-ttft-ms", slo_ttft_ms)
     _positive("--slo-tpot-ms", slo_tpot_ms)
@@ -114,37 +120,39 @@ def tune(
     except (ValueError, OSError) as e:
         raise BadInput(str(e)) from None
     out_dir = out or Path("slotune-out") / time.strftime("%Y%m%d-%H%M%S")
-    if storage is None:
+    if study is None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        storage = str(out_dir / "study.journal")
-    slots = max_slots or DEFAULT_SLOTS[model]
+        study = str(out_dir / "study.journal")
+    max_slots = max_slots or DEFAULT_MAX_SLOTS[model]
     price_per_hour, price_source = _price(price_per_hour, embedded=address is None and not app_name)
     started = time.monotonic()
     setup = None
     try:
-        setup, hw, hw_note, searched = _prepare_or_exit(
-            address=address,
-            app_name=app_name,
-            deployment=deployment,
-            url=url,
-            metrics_url=metrics_url,
-            prometheus_url=prometheus_url,
-            prefix=metrics_prefix,
-            slo=slo,
-            model=model,
-            slots=slots,
-            price=price_per_hour,
-            shape=shape,
-            quiet=quiet,
-        )
-        a = searched["analysis"]
+        with _setup_errors():
+            prepared = prepare(
+                address=address,
+                app_name=app_name,
+                deployment=deployment,
+                url=url,
+                metrics_url=metrics_url,
+                prometheus_url=prometheus_url,
+                prefix=metrics_prefix,
+                slo=slo,
+                model=model,
+                max_slots=max_slots,
+                price=price_per_hour,
+                shape=shape,
+                quiet=quiet,
+            )
+        setup, hw, searched = prepared.setup, prepared.hardware, prepared.plan
+        a = searched.analysis
         tuner = Tuner(
-            space=searched["space"],
+            space=searched.space,
             slo=slo,
-            storage=storage,
+            storage=study,
             study_name=study_name,
-            seed_knobs=searched["seeds"],
-            model_tpot_s=searched["roofline"].step_time_s,
+            seed_knobs=searched.seeds,
+            model_tpot_s=searched.roofline.step_time_s,
             seed=seed,
         )
         plan = _fit_to_scrapes(plan, setup.reader, quiet=quiet)
@@ -154,11 +162,11 @@ def tune(
         base = CurveReport(
             slo=slo,
             trials=(),
-            predicted=searched["predicted"],
+            predicted=searched.predicted,
             model=MODELS[model] if app_name is None else f"{app_name} ({MODELS[model]} assumed)",
             hardware=hw.name,
             hardware_detail={
-                "source": hw_note,
+                "source": prepared.hardware_note,
                 "memory_bandwidth_gb_s": round(hw.mem_bandwidth / 1e9, 1),
                 "bf16_peak_tflops": round(hw.peak_flops.get("bf16", math.nan) / 1e12, 2),
                 "device": setup.device,
@@ -166,14 +174,14 @@ def tune(
             usd_per_hour=price_per_hour,
             knee_batch=a.knee_batch,
             ridge_flops_per_byte=round(a.ridge_flops_per_byte, 1),
-            predicted_batch=searched["seed_batch"],
+            predicted_batch=searched.seed_batch,
             meta={
                 "command": "slotune " + " ".join(sys.argv[1:]),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "app": setup.app,
                 "url": setup.url,
                 "metrics": setup.reader_desc,
-                "storage": storage,
+                "storage": study,
                 "study": study_name,
                 "window": f"warm-up {plan.warmup_s:g} s, {plan.window_s:g}-{plan.max_window_s:g}"
                 f" s, aiming at {plan.min_requests} requests",
@@ -207,7 +215,7 @@ def _price(given: float | None, *, embedded: bool) -> tuple[float | None, str]:
     return None, "not given"
 
 
-def _fit_to_scrapes(plan: Any, reader: Any, *, quiet: bool) -> Any:
+def _fit_to_scrapes(plan: WindowPlan, reader: WindowReader, *, quiet: bool) -> WindowPlan:
     """Through a Prometheus server, a window must span ``reader.min_scrapes`` scrapes (else
     it is stale and judged by nobody): lengthen the least window to that, and wait for a
     fresh sample up to three scrape intervals."""
@@ -231,9 +239,11 @@ def _fit_to_scrapes(plan: Any, reader: Any, *, quiet: bool) -> Any:
     return replace(plan, window_s=need, max_window_s=max(plan.max_window_s, need))
 
 
-def _prepare_or_exit(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
+@contextmanager
+def _setup_errors() -> Iterator[None]:
+    """A failed or interrupted set-up ends the command with one line (exit 1 or 130)."""
     try:
-        return prepare(**kw)
+        yield
     except SetupFailed as e:
         typer.echo(f"slotune: error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -242,7 +252,7 @@ def _prepare_or_exit(**kw: Any) -> tuple[Setup, Any, str, dict[str, Any]]:
         raise typer.Exit(130) from None
 
 
-def _finish(outcome: Any, out_dir: Path, quiet: bool) -> None:
+def _finish(outcome: TuneOutcome, out_dir: Path, quiet: bool) -> None:
     op = outcome.report.operating_point()
     lines = [f"report: {out_dir / 'report.html'}", f"stopped: {outcome.stop_reason}"]
     if op is not None:
@@ -275,36 +285,5 @@ def _finish(outcome: Any, out_dir: Path, quiet: bool) -> None:
         )
 
 
-def export(
-    study: str = typer.Argument(..., help="Study storage: a journal file or an Optuna URL."),
-    study_name: str = typer.Option(None, "--study", help="Study name (if it holds several)."),
-    out: Path = typer.Option(None, "--out", help="Default: the storage file's folder."),
-    price_per_hour: float = typer.Option(
-        None, "--price-per-hour", help="USD per device-hour (default: the one tune used)."
-    ),
-) -> None:
-    """Rebuild curve.csv, curve.json, curve.png and report.html from a stored study."""
-    from controller.report.curve import write_report
-    from controller.tune import report_from_study
-
-    if "://" not in study and not Path(study).exists():
-        raise BadInput(f"STUDY {study}: no such file (give a journal file or an Optuna URL)")
-    try:
-        report = report_from_study(study, study_name)
-    except (ValueError, KeyError) as e:
-        raise BadInput(str(e)) from None
-    if price_per_hour is not None:
-        if not (math.isfinite(price_per_hour) and price_per_hour >= 0):
-            raise BadInput(f"--price-per-hour {price_per_hour!r}: must be a number >= 0")
-        meta = {**report.meta, "price": "--price-per-hour (given to export)"}
-        report = replace(report, usd_per_hour=price_per_hour, meta=meta)
-    out_dir = out or (Path(study).parent if "://" not in study else Path("slotune-out/export"))
-    paths = write_report(report, out_dir)
-    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
-    if report.chosen is None:
-        raise NoFeasiblePoint(f"the study's {len(report.trials)} trials hold no feasible point")
-
-
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune)
-    app.command("export")(export)

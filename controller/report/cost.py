@@ -1,6 +1,6 @@
 """What a million output tokens cost at the operating point, and where the price came from.
 
-cost = (device $/h) / (tokens/s · 3600) · 1e6. The price is the user's
+cost = (device $/h) / (tokens/s · 3600) · 1e6 (one device). The price is the user's
 ``--price-per-hour``; without one, a GPU the hardware catalog knows
 (``search.roofline.hardware.CATALOG``) gets that entry's indicative on-demand rate, said so
 wherever the cost is shown; anything else (a CPU, an unknown GPU) gets no price, and
@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+
+from search.roofline.operating_point import usd_per_million_tokens
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +29,13 @@ _GPU_NAMES = (
 HOW_TO_PRICE = "--price-per-hour P (USD per device-hour)"
 
 
-def usd_per_million_tokens(usd_per_hour: float | None, tokens_per_s: float) -> float:
-    """Cost of a million output tokens at a device price: $/h ÷ (tokens/s · 3600) · 1e6."""
+def million_token_cost(usd_per_hour: float | None, tokens_per_s: float) -> float:
+    """USD per million output tokens of a one-device deployment at ``tokens_per_s``
+    (:func:`~search.roofline.operating_point.usd_per_million_tokens`); NaN without a price
+    or without tokens."""
     if usd_per_hour is None or not (tokens_per_s > 0) or not math.isfinite(tokens_per_s):
         return math.nan
-    return usd_per_hour / (tokens_per_s * 3600.0) * 1e6
+    return usd_per_million_tokens(usd_per_hour, 1, tokens_per_s)
 
 
 def catalog_price(device_name: str) -> tuple[float, str] | None:
@@ -57,13 +61,13 @@ def cost_sentence(usd_per_hour: float | None, tokens_per_s: float, source: str =
     if not (math.isfinite(tokens_per_s) and tokens_per_s > 0):
         return "No cost: nothing was generated at this point."
     if usd_per_hour is None:
-        per_dollar = usd_per_million_tokens(1.0, tokens_per_s)
+        per_dollar = million_token_cost(1.0, tokens_per_s)
         return (
             f"No device price was given, so no cost per million tokens: at {tokens_per_s:.0f} "
             f"tokens/s every $1/h of device price is ${per_dollar:.3g} per million output "
             f"tokens. Give {HOW_TO_PRICE} to tune, or to `slotune export STUDY` to rebuild "
             "this report with it."
         )
-    cost = usd_per_million_tokens(usd_per_hour, tokens_per_s)
+    cost = million_token_cost(usd_per_hour, tokens_per_s)
     why = f" ({source})" if source else ""
     return f"At ${usd_per_hour:g}/h{why} that is ${cost:.3g} per million output tokens."

@@ -1,32 +1,26 @@
-"""The exported curve: ``curve.csv``, ``curve.json``, ``curve.png`` and ``report.html``.
+"""What the exported curve says: :class:`CurveReport`.
 
-Input is a :class:`CurveReport`: the measured trials (one :class:`TrialRecord`
-each), the roofline's predicted curve, the SLO, the hardware and model, and the
-price; the chosen operating point is the tuner's incumbent (:attr:`CurveReport.chosen`:
-the declared knob with the most pooled goodput, never one whose pooled SLO verdict
-is not MET). :func:`write_report` writes all four files;
-``slotune export`` rebuilds the same files from :meth:`CurveReport.from_dict`.
+A report holds the measured trials (one :class:`~controller.report.records.TrialRecord`
+each), the roofline's predicted curve, the SLO, the hardware and model, and the price;
+the chosen operating point is the tuner's incumbent (:attr:`CurveReport.chosen`: the
+declared knob with the most pooled goodput, never one whose pooled SLO verdict is not
+MET). ``controller.report.files.write_report`` writes it out; ``slotune export`` rebuilds
+it from :meth:`CurveReport.from_dict`.
 """
 
 from __future__ import annotations
 
-import base64
-import csv
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from controller.report.cost import usd_per_million_tokens
+from controller.report.cost import million_token_cost
 from controller.report.records import PredictedPoint, TrialRecord, json_num, ms_of
 from metrics.observation import Slo
 
 log = logging.getLogger(__name__)
-
-FILES = ("curve.csv", "curve.json", "curve.png", "report.html")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,9 +122,9 @@ class CurveReport:
             "tokens_per_s": c.tokens_per_s,
             "p99_ttft_ms": c.p99_ttft_ms,
             "p99_tpot_ms": c.p99_tpot_ms,
-            "usd_per_million_tokens": usd_per_million_tokens(self.usd_per_hour, c.tokens_per_s),
+            "usd_per_million_tokens": million_token_cost(self.usd_per_hour, c.tokens_per_s),
             # what each $1/h of device price costs per million tokens (scale by your price)
-            "usd_per_million_tokens_per_usd_hour": usd_per_million_tokens(1.0, c.tokens_per_s),
+            "usd_per_million_tokens_per_usd_hour": million_token_cost(1.0, c.tokens_per_s),
             # the verdict the point was chosen on: every window of these knobs pooled (a
             # latest window too short for a p99 of its own lends its requests to the rest)
             "verdict": (p.pooled.value if p.pooled is not None else "met"),
@@ -248,35 +242,3 @@ class CurveReport:
 
     def with_trials(self, trials: Sequence[TrialRecord], **kw: Any) -> CurveReport:
         return replace(self, trials=tuple(trials), **kw)
-
-
-CSV_COLUMNS = [f.name for f in fields(TrialRecord) if f.name != "evidence"] + ["roofline_fraction"]
-
-
-def write_csv(report: CurveReport, path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for t in report.trials:
-            row = {**asdict(t), "roofline_fraction": report.roofline_fraction(t)}
-            row.pop("evidence", None)
-            w.writerow(
-                {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-            )
-
-
-def write_report(report: CurveReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write the four files into ``out_dir`` (created); returns their paths by name."""
-    from controller.report.html import plot_png, render_html
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in FILES}
-    write_csv(report, paths["curve.csv"])
-    paths["curve.json"].write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n")
-    png = plot_png(report)
-    paths["curve.png"].write_bytes(png)
-    html = render_html(report, png_b64=base64.b64encode(png).decode("ascii"))
-    paths["report.html"].write_text(html, encoding="utf-8")
-    log.info("report written to %s", out)
-    return paths

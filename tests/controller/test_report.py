@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.report.cost import usd_per_million_tokens
-from controller.report.curve import CurveReport, write_report
-from controller.report.html import plot_png
+from controller.report.cost import million_token_cost
+from controller.report.curve import CurveReport
+from controller.report.files import write_report
+from controller.report.plot import plot_png
 from controller.report.records import PredictedPoint, TrialRecord
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
 
@@ -110,9 +111,9 @@ def test_a_knob_that_failed_one_of_its_measurements_is_not_chosen() -> None:
 
 def test_cost_formula() -> None:
     # $2/h at 1000 tokens/s: 3.6M tokens an hour → $0.556 per million
-    assert usd_per_million_tokens(2.0, 1000.0) == pytest.approx(0.5555555, rel=1e-6)
-    assert math.isnan(usd_per_million_tokens(None, 1000.0))
-    assert math.isnan(usd_per_million_tokens(2.0, 0.0))
+    assert million_token_cost(2.0, 1000.0) == pytest.approx(0.5555555, rel=1e-6)
+    assert math.isnan(million_token_cost(None, 1000.0))
+    assert math.isnan(million_token_cost(2.0, 0.0))
 
 
 def test_roofline_fraction_interpolates_the_predicted_curve() -> None:

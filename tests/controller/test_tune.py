@@ -12,7 +12,7 @@ from controller.progress import Progress
 from controller.report.curve import CurveReport
 from controller.report.records import PredictedPoint
 from controller.target_errors import TargetError, TargetUnavailable
-from controller.targets import Measurement
+from controller.targets import Measurement, Target
 from controller.tune import TuneLimits, report_from_study, run_tune
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
 from search.space import Knobs, SearchSpace
@@ -38,8 +38,11 @@ class FakeTarget:
         self.fail: dict[int, BaseException] = {}  # measurement index → exception to raise
         self.empty: set[int] = set()
 
-    def current_knobs(self):
+    def current_knobs(self) -> Knobs | None:
         return self.start
+
+    def describe(self) -> dict:
+        return {"target": "fake"}
 
     def apply(self, knobs: Knobs) -> None:
         self.applied.append(knobs)
@@ -86,8 +89,10 @@ class Clock:
         return self.t
 
 
-def make_tuner(tmp_path: Path, *, seed_batch: int = 16, name: str = "t") -> Tuner:
-    return Tuner(
+def make_tuner(
+    tmp_path: Path, *, seed_batch: int = 16, name: str = "t", cls: type[Tuner] = Tuner
+) -> Tuner:
+    return cls(
         space=SearchSpace(batch_min=1, batch_max=64, headroom_max=2.0),
         slo=SLO,
         storage=str(tmp_path / "study.journal"),
@@ -123,6 +128,7 @@ def run(tmp_path: Path, target: FakeTarget, **kw) -> object:
 
 def test_finds_a_feasible_point_and_leaves_the_deployment_on_it(tmp_path: Path) -> None:
     target = FakeTarget(start=Knobs(max_batch_size=4, max_concurrency=4))
+    assert isinstance(target, Target)
     out = run(tmp_path, target)
     chosen = out.report.chosen
     assert chosen is not None and out.feasible and not out.aborted
@@ -284,7 +290,26 @@ def test_progress_hooks_are_called(tmp_path: Path) -> None:
     assert calls == ["begin 1/2", "end", "begin 2/2", "end"]
 
 
-def test_runs_the_simulator_target_unchanged(tmp_path: Path) -> None:
+class SimAsTarget:
+    """The simulator behind the Target protocol: knobs take effect at each window."""
+
+    def __init__(self, sim) -> None:
+        self.sim = sim
+
+    def current_knobs(self) -> Knobs | None:
+        return None
+
+    def apply(self, knobs: Knobs) -> None:
+        pass
+
+    def measure(self, knobs: Knobs) -> Measurement:
+        return Measurement(observation=self.sim.measure(knobs))
+
+    def describe(self) -> dict:
+        return self.sim.describe()
+
+
+def test_runs_the_simulator_target(tmp_path: Path) -> None:
     from controller.sim.scenarios import resolve_scenario
     from controller.sim.target import SimTarget
 
@@ -299,7 +324,7 @@ def test_runs_the_simulator_target_unchanged(tmp_path: Path) -> None:
     )
     rep = CurveReport(slo=t.scenario.slo, trials=())
     out = run_tune(
-        target=t,
+        target=SimAsTarget(t),
         tuner=tuner,
         base=rep,
         limits=TuneLimits(max_trials=6, time_budget_s=1e6),
@@ -350,7 +375,7 @@ def test_cli_export_rebuilds_the_report(tmp_path: Path, capsys) -> None:
     assert a == json.loads((tmp_path / "out" / "curve.json").read_text())
     assert a["operating_point"]["max_batch_size"] == out.report.chosen.max_batch_size
     code, _, err = _cli(
-        ["export", str(tmp_path / "study.journal"), "--study", "nope", "--out", str(tmp_path)],
+        ["export", str(tmp_path / "study.journal"), "--study-name", "nope", "--out", str(tmp_path)],
         capsys,
     )
     assert code == 2 and "nope" in err
@@ -605,15 +630,9 @@ def test_the_summary_says_the_cost_or_how_to_get_it(tmp_path: Path, capsys) -> N
     assert "cost: No device price was given" in text and "--price-per-hour" in text
 
 
-class _EagerStopTuner:
-    """Wraps a real tuner but always claims its stop rule is met (as a tuner that declared a
+class _EagerStopTuner(Tuner):
+    """A real tuner that always claims its stop rule is met (as a tuner that declared a
     knob on pooled windows would, while no knob has every window within the SLO)."""
-
-    def __init__(self, inner: Tuner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
     def should_stop(self) -> bool:
         return True
@@ -626,7 +645,7 @@ def test_the_stop_rule_waits_for_a_point_the_report_would_deploy(tmp_path: Path)
     # Seed 64 violates TPOT (tpot_of(64) = 61 ms > 40 ms): the first trial leaves nothing
     # deployable, so the loop must go on despite the rule, and stop once there is a point.
     target = FakeTarget()
-    tuner = _EagerStopTuner(make_tuner(tmp_path, seed_batch=64))
+    tuner = make_tuner(tmp_path, seed_batch=64, cls=_EagerStopTuner)
     out = run(tmp_path, target, tuner=tuner)
     assert len(out.report.trials) >= 2
     assert out.report.chosen is not None

@@ -1,4 +1,5 @@
-"""The cost wording and the catalogued price; calibration at the replica's thread count."""
+"""The cost wording and the catalogued price; calibration at the replica's thread count; the
+plan of the search."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from controller import tune_plan
-from controller.report.cost import catalog_price, cost_sentence, usd_per_million_tokens
+from controller.report.cost import catalog_price, cost_sentence, million_token_cost
 from search.roofline.hardware import CATALOG
 
 # --- cost -------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ def test_no_price_is_made_up_for_an_unknown_part(name: str) -> None:
 
 def test_cost_sentence_without_a_price_says_how_to_get_one() -> None:
     s = cost_sentence(None, 100.0)
-    per_dollar = usd_per_million_tokens(1.0, 100.0)  # $2.78 per $1/h at 100 tokens/s
+    per_dollar = million_token_cost(1.0, 100.0)  # $2.78 per $1/h at 100 tokens/s
     assert f"${per_dollar:.3g}" in s and "$1/h" in s
     assert "--price-per-hour" in s and "slotune export" in s
 
@@ -71,79 +72,55 @@ class FakeCal:
         )
 
 
-def fake_calib(tmp_path: Path, *, with_threads_kw: bool) -> types.SimpleNamespace:
-    import torch
-
-    calls: list[int] = []
-
-    def calibrate(*, device, plan, **kw):
-        got = kw.get("threads", torch.get_num_threads())
-        calls.append(got)
-        return FakeCal(got)
-
-    def calibrate_with_threads(*, device, plan, threads=None):
-        return calibrate(device=device, plan=plan, threads=threads)
-
-    ns = types.SimpleNamespace(
-        PLANS={"full": "full"},
-        calibrate=calibrate_with_threads if with_threads_kw else calibrate,
-        default_cache_path=lambda dev: tmp_path / "hardware-host-cpu.json",
-        pick_device=lambda d: torch.device("cpu"),
-        calls=calls,
-    )
-    return ns
-
-
-@pytest.mark.parametrize("with_threads_kw", [False, True])
-def test_calibration_runs_at_the_given_threads_and_restores_torch(
-    tmp_path: Path, with_threads_kw: bool
-) -> None:
-    import torch
-
-    calib = fake_calib(tmp_path, with_threads_kw=with_threads_kw)
-    before = torch.get_num_threads()
-    cal = tune_plan.calibrate_at(calib, device="cpu", threads=1)
-    assert calib.calls == [1] and cal.measured["threads"] == 1
-    assert torch.get_num_threads() == before
-
-
 def test_a_cached_calibration_at_other_threads_is_not_used(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
     import search.calibrate.device
     import search.roofline.hardware
 
-    calib = fake_calib(tmp_path, with_threads_kw=False)
-    for k in ("PLANS", "calibrate", "default_cache_path", "pick_device"):
-        monkeypatch.setattr(search.calibrate.device, k, getattr(calib, k))
+    calls: list[int] = []
+
+    def calibrate(*, device, plan, threads):
+        calls.append(threads)
+        return FakeCal(threads)
+
+    monkeypatch.setattr(search.calibrate.device, "calibrate", calibrate)
+    monkeypatch.setattr(
+        search.calibrate.device,
+        "default_cache_path",
+        lambda dev, *, threads: tmp_path / f"hardware-host-cpu-{threads}t.json",
+    )
+    monkeypatch.setattr(search.calibrate.device, "pick_device", lambda d: torch.device("cpu"))
     monkeypatch.setattr(
         search.roofline.hardware.HardwareSpec,
         "from_json",
         classmethod(lambda cls, p: json.loads(Path(p).read_text())["name"]),
     )
     version = search.calibrate.device.CALIBRATION_VERSION
-    cache = tmp_path / "hardware-host-cpu.json"
+    cache = tmp_path / "hardware-host-cpu-2t.json"
     # a cache of an older calibration method, at the same threads: measured again
     cache.write_text(json.dumps({"name": "old-2t", "measured": {"threads": 2}}))
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=2)
-    assert calib.calls == [2] and "calibrated now" in note
-    # last session's cache: measured at 2 threads under the plain name
-    cache.write_text(json.dumps({"name": "cal-2t", "measured": {"threads": 2, "version": version}}))
+    assert calls == [2] and "calibrated now" in note
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=2)
-    assert spec == "cal-2t" and calib.calls == [2]  # the same threads: the cache is used
+    assert spec == "cal-2t" and calls == [2]  # the same threads: the cache is used
+    # a cache that says it was measured at other threads is measured again
+    cache.write_text(json.dumps({"name": "cal-2t", "measured": {"threads": 3, "version": version}}))
+    spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=2)
+    assert calls == [2, 2]
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
-    assert calib.calls == [2, 1] and "calibrated now at 1 thread" in note
+    assert calls == [2, 2, 1] and "calibrated now at 1 thread" in note
     assert (tmp_path / "hardware-host-cpu-1t.json").exists()
     spec, note = tune_plan.hardware_spec("cpu", quiet=True, threads=1)
-    assert spec == "cal-1t" and calib.calls == [2, 1]  # cached now, not measured again
+    assert spec == "cal-1t" and calls == [2, 2, 1]  # cached now, not measured again
 
 
 def test_the_cache_of_search_calibrate_is_named_by_thread_count() -> None:
     import torch
 
-    from search.calibrate import device as calibrate
+    from search.calibrate.device import default_cache_path
 
-    paths = tune_plan.cache_paths(calibrate, torch.device("cpu"), 1)
-    assert paths == [calibrate.default_cache_path(torch.device("cpu"), threads=1)]
-    assert paths[0].name.endswith("-1t.json")
+    assert default_cache_path(torch.device("cpu"), threads=1).name.endswith("-1t.json")
 
 
 def test_tune_price_comes_from_the_flag_else_the_catalog_for_the_builtin_gpu_run(
@@ -162,3 +139,20 @@ def test_tune_price_comes_from_the_flag_else_the_catalog_for_the_builtin_gpu_run
     assert price == CATALOG["h100-sxm"].usd_per_hour and "h100-sxm" in source
     # attached to someone else's deployment: its hardware is not this process's to guess
     assert cli_tune._price(None, embedded=False) == (None, "not given")
+
+
+def test_the_plan_bounds_the_search_by_max_slots_and_seeds_the_roofline_point() -> None:
+    from metrics.observation import Slo
+    from search.roofline.hardware import resolve_hardware
+
+    plan = tune_plan.plan_search(
+        model="small",
+        hardware=resolve_hardware("h100-sxm"),
+        slo=Slo(ttft_p99_s=1.0, tpot_p99_s=0.1),
+        price=None,
+        max_slots=16,
+        context=64,
+    )
+    assert plan.space.batch_max <= 16
+    assert plan.seeds[0].max_batch_size == plan.seed_batch <= 16
+    assert len(plan.predicted) == len(plan.analysis.curve)
