@@ -14,9 +14,8 @@ import time
 
 import typer
 
-from metrics import names
 from metrics.errors import MetricsError
-from metrics.observation import Observation, Slo
+from metrics.observation import DEFAULT_SLO, Observation, Slo
 from metrics.sources import PromQLSource, ScrapeSource
 
 
@@ -84,13 +83,20 @@ def observe(
     ),
     selector: list[str] = typer.Option([], "--selector", "-l", help="label=value, repeatable."),
     promql: bool = typer.Option(False, "--promql", help="Query a Prometheus server's API."),
-    ttft_slo: float = typer.Option(names.DEFAULT_TTFT_SLO_S, help="p99 TTFT SLO, seconds."),
-    tpot_slo: float = typer.Option(names.DEFAULT_TPOT_SLO_S, help="p99 TPOT SLO, seconds."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    slo_ttft_ms: float = typer.Option(
+        DEFAULT_SLO.ttft_p99_s * 1e3, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."
+    ),
+    slo_tpot_ms: float = typer.Option(
+        DEFAULT_SLO.tpot_p99_s * 1e3, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object, not the table."),
 ) -> None:
     """Observe one window of a deployment's metrics and print what the controller would see."""
     try:
-        slo = Slo(ttft_p99_s=ttft_slo, tpot_p99_s=tpot_slo)
+        for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
+            if not (math.isfinite(ms) and ms > 0):
+                raise typer.BadParameter(f"{flag} {ms:g}: must be a positive number of ms")
+        slo = Slo(ttft_p99_s=slo_ttft_ms / 1e3, tpot_p99_s=slo_tpot_ms / 1e3)
         sel = _selector(selector)
         if not (math.isfinite(window_s) and window_s > 0):
             raise typer.BadParameter(f"--window {window_s!r}: must be a positive number")

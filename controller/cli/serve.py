@@ -18,36 +18,17 @@ import time
 import typer
 
 from controller.errors import BadInput
-from metrics.observation import Slo
+from metrics.observation import DEFAULT_SLO, Slo
 from serving.app.config import DEFAULT_STREAM_EVENTS_PER_S, DEFAULT_STREAM_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_TTFT_MS = 1000.0
-DEFAULT_TPOT_MS = 100.0
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise BadInput(msg)
-
-
-def _slo_s(
-    which: str, ms: float | None, seconds: float | None, default_ms: float, deprecated: list[str]
-) -> float:
-    """The SLO in seconds from ``--slo-<which>-ms`` (the flag tune and simulate take) or the
-    deprecated ``--<which>-slo`` in seconds; not both."""
-    flag, old = f"--slo-{which}-ms", f"--{which}-slo"
-    if ms is not None and seconds is not None:
-        raise BadInput(f"{flag} and {old}: give one ({old} is the deprecated one, in seconds)")
-    if seconds is not None:
-        deprecated.append(f"slotune: {old} is deprecated: use {flag} (milliseconds)")
-        return seconds
-    if ms is None:
-        return default_ms / 1e3
-    _check(math.isfinite(ms) and ms > 0, f"{flag} {ms:g}: must be a positive number of ms")
-    return ms / 1e3
 
 
 def serve(
@@ -58,17 +39,11 @@ def serve(
         64, help="Requests queued beyond the admission limit before a 503 (-1: unbounded)."
     ),
     max_slots: int = typer.Option(64, help="KV-cache slots (the largest possible batch)."),
-    slo_ttft_ms: float | None = typer.Option(
-        None, "--slo-ttft-ms", help="p99 TTFT SLO, ms (slo_met label; default 1000)."
+    slo_ttft_ms: float = typer.Option(
+        DEFAULT_SLO.ttft_p99_s * 1e3, "--slo-ttft-ms", help="p99 TTFT SLO, ms (slo_met label)."
     ),
-    slo_tpot_ms: float | None = typer.Option(
-        None, "--slo-tpot-ms", help="p99 TPOT SLO, ms (slo_met label; default 100)."
-    ),
-    ttft_slo: float | None = typer.Option(
-        None, "--ttft-slo", hidden=True, help="Deprecated: --slo-ttft-ms, in seconds."
-    ),
-    tpot_slo: float | None = typer.Option(
-        None, "--tpot-slo", hidden=True, help="Deprecated: --slo-tpot-ms, in seconds."
+    slo_tpot_ms: float = typer.Option(
+        DEFAULT_SLO.tpot_p99_s * 1e3, "--slo-tpot-ms", help="p99 TPOT SLO, ms (slo_met label)."
     ),
     port: int = typer.Option(8000, help="HTTP port of Serve's proxy (on 127.0.0.1)."),
     metrics_port: int = typer.Option(8080, help="Ray's metrics export port (Prometheus)."),
@@ -104,7 +79,8 @@ def serve(
         max_queued_requests == -1 or max_queued_requests >= 1,
         f"--max-queued-requests {max_queued_requests}: must be -1 or >= 1",
     )
-    deprecated: list[str] = []  # said once the flags are known good (errors stay one line)
+    for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
+        _check(math.isfinite(ms) and ms > 0, f"{flag} {ms:g}: must be a positive number of ms")
     try:
         args = ServerArgs(
             model=model,
@@ -116,10 +92,7 @@ def serve(
             stream_interval_s=stream_interval,
             stream_events_per_s=stream_events_per_s,
         )
-        slo = Slo(
-            ttft_p99_s=_slo_s("ttft", slo_ttft_ms, ttft_slo, DEFAULT_TTFT_MS, deprecated),
-            tpot_p99_s=_slo_s("tpot", slo_tpot_ms, tpot_slo, DEFAULT_TPOT_MS, deprecated),
-        )
+        slo = Slo(ttft_p99_s=slo_ttft_ms / 1e3, tpot_p99_s=slo_tpot_ms / 1e3)
         LiveConfig(max_batch_size=max_batch_size)
     except ValueError as e:
         raise BadInput(str(e)) from None
@@ -129,8 +102,6 @@ def serve(
     )
     if checkpoint is not None:
         _check(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: not a directory")
-    for note in deprecated:
-        typer.echo(note, err=True)
 
     import ray
     from ray import serve as ray_serve

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import typer
 
@@ -21,8 +20,9 @@ from controller.errors import BadInput, NoFeasiblePoint
 from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, resolve_scenario
 from controller.sim.target import SimTarget
 from metrics.observation import Slo
-from search.stop_rule import StopRule
-from search.tuner import SAMPLERS, Tuner
+from search.space import Knobs
+from search.stop_rule import PointSummary, StopRule
+from search.tuner import SAMPLERS, Tuner, TunerTrial
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +45,17 @@ def simulate_cmd(
         None, "--hardware", help="Override the device (catalogue name or JSON)."
     ),
     tp: int = typer.Option(None, "--tp", help="Override the tensor-parallel degree."),
-    ttft_slo_ms: float = typer.Option(None, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."),
-    tpot_slo_ms: float = typer.Option(None, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."),
+    slo_ttft_ms: float = typer.Option(None, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."),
+    slo_tpot_ms: float = typer.Option(None, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."),
     max_trials: int = typer.Option(20, "--max-trials", help="Trial budget."),
     sampler: str = typer.Option("gp", "--sampler", help=f"One of: {', '.join(SAMPLERS)}."),
     no_seed: bool = typer.Option(False, "--no-seed", help="Search without the roofline seed."),
     seed: int = typer.Option(0, "--seed", help="Seed of the simulator and the sampler."),
-    storage: str = typer.Option(
-        None, "--storage", help="Optuna storage: a journal file path or a URL (default: memory)."
+    study: str = typer.Option(
+        None, "--study", help="Optuna study storage: a journal file or a URL (default: memory)."
     ),
     study_name: str = typer.Option(None, "--study-name", help="Study name (default: scenario)."),
-    json_out: Path = typer.Option(None, "--json", help="Also write the result as JSON here."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object, not the table."),
 ) -> None:
     """Tune a simulated fleet: print the measured curve and the chosen point."""
     import optuna
@@ -71,8 +71,8 @@ def simulate_cmd(
         if tp is not None:
             changes["tp"] = tp
         # Same flags and units as `slotune tune` and `slotune roofline`.
-        ttft_slo = None if ttft_slo_ms is None else ttft_slo_ms / 1000.0
-        tpot_slo = None if tpot_slo_ms is None else tpot_slo_ms / 1000.0
+        ttft_slo = None if slo_ttft_ms is None else slo_ttft_ms / 1000.0
+        tpot_slo = None if slo_tpot_ms is None else slo_tpot_ms / 1000.0
         if ttft_slo is not None or tpot_slo is not None:
             changes["slo"] = Slo(
                 ttft_p99_s=sc.slo.ttft_p99_s if ttft_slo is None else ttft_slo,
@@ -88,7 +88,7 @@ def simulate_cmd(
         tuner = Tuner(
             space=target.space,
             slo=target.slo,
-            storage=storage,
+            storage=study,
             study_name=study_name or sc.name,
             seed_knobs=[] if no_seed else target.seed_knobs(),
             model_tpot_s=None if no_seed else target.model_tpot_s,
@@ -100,38 +100,31 @@ def simulate_cmd(
         raise BadInput(str(e)) from None
 
     d = target.describe()
-    typer.echo(
-        f"{d['description']}: {d['model']} on {d['hardware']} x{d['tp']} ({d['hardware_source']})"
-    )
-    typer.echo(
-        f"SLO p99 TTFT {target.slo.ttft_p99_s:g}s, TPOT {target.slo.tpot_p99_s * 1e3:g}ms;"
-        f" load {d['rate_rps']} req/s; KV capacity {d['kv_capacity']} sequences;"
-        f" roofline operating point B={d['seed_batch']}"
-    )
     while not tuner.should_stop():
         knobs = tuner.propose()
         tuner.report(knobs, target.measure(knobs))
-    typer.echo("")
-    typer.echo(
-        f"{'trial':>5} {'phase':>9} {'batch':>6} {'conc':>6} {'goodput/s':>10}"
-        f" {'p99 TTFT ms':>12} {'p99 TPOT ms':>12} {'feasible':>8}"
-    )
     records = tuner.trials()
-    for r in records:
-        o = r.observation
-        typer.echo(
-            f"{r.number:>5} {r.phase:>9} {r.knobs.max_batch_size:>6} {r.knobs.max_concurrency:>6}"
-            f" {_fmt(r.goodput_rps, 1, 2):>10} {_fmt(o.get('ttft_p99_s'), 1e3):>12}"
-            f" {_fmt(o.get('tpot_p99_s'), 1e3):>12} {'yes' if r.feasible else 'no':>8}"
-        )
     reason = tuner.stop_reason()
     best = tuner.best() or tuner.best(confirmed=False)
-    result = {
-        **d,
-        "stop_reason": reason,
-        "trials": len(records),
-        "chosen": None,
-    }
+    if as_json:
+        typer.echo(json.dumps(_result(d, records, reason, best), indent=2, default=str))
+    else:
+        _print_table(target, d, records, reason, best)
+    if best is None:
+        raise NoFeasiblePoint(
+            f"no knob met p99 TTFT <= {target.slo.ttft_p99_s:g}s and TPOT <="
+            f" {target.slo.tpot_p99_s:g}s in {len(records)} trials"
+        )
+
+
+def _result(
+    d: dict[str, object],
+    records: list[TunerTrial],
+    reason: str | None,
+    best: tuple[Knobs, PointSummary] | None,
+) -> dict[str, object]:
+    result: dict[str, object] = {**d, "stop_reason": reason, "trials": len(records)}
+    result["chosen"] = None
     if best is not None:
         knobs, p = best
         result["chosen"] = {
@@ -141,21 +134,46 @@ def simulate_cmd(
             "ttft_p99_s": p.ttft_p99_s,
             "tpot_p99_s": p.tpot_p99_s,
         }
-    if json_out is not None:
-        json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def _print_table(
+    target: SimTarget,
+    d: dict[str, object],
+    records: list[TunerTrial],
+    reason: str | None,
+    best: tuple[Knobs, PointSummary] | None,
+) -> None:
+    typer.echo(
+        f"{d['description']}: {d['model']} on {d['hardware']} x{d['tp']} ({d['hardware_source']})"
+    )
+    typer.echo(
+        f"SLO p99 TTFT {target.slo.ttft_p99_s:g}s, TPOT {target.slo.tpot_p99_s * 1e3:g}ms;"
+        f" load {d['rate_rps']} req/s; KV capacity {d['kv_capacity']} sequences;"
+        f" roofline operating point B={d['seed_batch']}"
+    )
+    typer.echo("")
+    typer.echo(
+        f"{'trial':>5} {'phase':>9} {'batch':>6} {'conc':>6} {'goodput/s':>10}"
+        f" {'p99 TTFT ms':>12} {'p99 TPOT ms':>12} {'feasible':>8}"
+    )
+    for r in records:
+        o = r.observation
+        typer.echo(
+            f"{r.number:>5} {r.phase:>9} {r.knobs.max_batch_size:>6} {r.knobs.max_concurrency:>6}"
+            f" {_fmt(r.goodput_rps, 1, 2):>10} {_fmt(o.get('ttft_p99_s'), 1e3):>12}"
+            f" {_fmt(o.get('tpot_p99_s'), 1e3):>12} {'yes' if r.feasible else 'no':>8}"
+        )
     typer.echo("")
     typer.echo(f"stopped: {reason}")
-    if best is None:
-        raise NoFeasiblePoint(
-            f"no knob met p99 TTFT <= {target.slo.ttft_p99_s:g}s and TPOT <="
-            f" {target.slo.tpot_p99_s:g}s in {len(records)} trials"
+    if best is not None:
+        knobs, p = best
+        typer.echo(
+            f"chosen: max_batch_size={knobs.max_batch_size}"
+            f" max_concurrency={knobs.max_concurrency} goodput {p.goodput_rps:.2f} req/s"
+            f" (measured {p.measurements}x), p99 TTFT {p.ttft_p99_s * 1e3:.0f} ms,"
+            f" p99 TPOT {p.tpot_p99_s * 1e3:.1f} ms"
         )
-    knobs, p = best
-    typer.echo(
-        f"chosen: max_batch_size={knobs.max_batch_size} max_concurrency={knobs.max_concurrency}"
-        f" goodput {p.goodput_rps:.2f} req/s (measured {p.measurements}x), p99 TTFT"
-        f" {p.ttft_p99_s * 1e3:.0f} ms, p99 TPOT {p.tpot_p99_s * 1e3:.1f} ms"
-    )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,4 @@
-"""``slotune serve`` takes the SLO in ms like tune and simulate (old seconds flags: hidden)."""
+"""``slotune serve`` takes the SLO in ms like every other command."""
 
 from __future__ import annotations
 
@@ -37,19 +37,11 @@ def test_defaults_are_one_second_and_100_ms(capsys, monkeypatch) -> None:
     assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
 
 
-def test_the_old_seconds_flags_still_work_and_say_they_are_deprecated(capsys, monkeypatch) -> None:
-    code, err, seen = _serve(["--tpot-slo", "0.05"], capsys, monkeypatch)
-    assert code == 0
-    assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
-    assert "--tpot-slo is deprecated" in err and "--slo-tpot-ms" in err
-
-
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
         (["--slo-tpot-ms", "-5"], "--slo-tpot-ms -5"),
         (["--slo-ttft-ms", "nan"], "--slo-ttft-ms nan"),
-        (["--slo-ttft-ms", "900", "--ttft-slo", "0.9"], "give one"),
     ],
 )
 def test_bad_slo_flags_exit_2_before_anything_starts(
@@ -69,6 +61,9 @@ def test_serve_help_shows_only_the_ms_flags(capsys) -> None:
     out = capsys.readouterr().out
     assert "--slo-ttft-ms" in out and "--slo-tpot-ms" in out
     assert "--ttft-slo" not in out and "--tpot-slo" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--ttft-slo", "0.9"])
+    assert e.value.code == 2  # the seconds flags are gone, not hidden
 
 
 def test_streaming_pace_defaults_to_the_replicas_and_flags_reach_the_app(

@@ -3,6 +3,7 @@ finding the oracle on a scenario it was not tuned on."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,6 +127,16 @@ def test_simulate_cli_prints_the_curve_and_the_chosen_point() -> None:
     assert "roofline operating point B=" in res.output
     assert "p99 TPOT ms" in res.output
     assert "chosen: max_batch_size=" in res.output
+
+
+def test_simulate_json_prints_the_result_instead_of_the_table(tmp_path: Path) -> None:
+    journal = tmp_path / "sim.journal"
+    argv = ["simulate", "--scenario", "h100-8b", "--max-trials", "6", "--seed", "1"]
+    res = CliRunner().invoke(app, [*argv, "--json", "--study", str(journal)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)  # the whole of stdout: one JSON document
+    assert d["trials"] >= 1 and d["chosen"]["max_batch_size"] >= 1 and d["stop_reason"]
+    assert journal.exists()  # --study: the study's storage, as on tune and export
 
 
 def test_simulate_cli_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture) -> None:
