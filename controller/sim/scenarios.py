@@ -21,21 +21,19 @@ from serving.sim.workload import LengthDist, Workload
 logger = logging.getLogger(__name__)
 
 GB = 1e9
-# This machine's CPU as an accelerator (shared/FIELD-NOTES.md): DRAM read ~24.5 GB/s,
-# matmul peak fp32 ~445 GFLOP/s, bf16 ~2,800 GFLOP/s (AMX); 24 GiB. Only used when a
-# scenario asks for "local-cpu" and no calibration file is cached.
+# "local-cpu" without a cached calibration: nominal figures of a 2-core Xeon with AMX
+# (where they come from: docs/controller.md). Results then depend on no measurement.
 LOCAL_CPU = HardwareSpec(
-    name="local-cpu-field-notes",
+    name="local-cpu-nominal",
     peak_flops={"bf16": 2.8e12, "fp32": 445e9},
     mem_bandwidth=24.5 * GB,
     mem_capacity=24 * 2**30,
-    source="shared/FIELD-NOTES.md figures for this 2-core Xeon",
+    source="nominal figures of a 2-core Xeon with AMX (docs/controller.md)",
 )
-# The built-in cpu-small scenario's device, stated here so that the benchmark gives the
-# same figures on any machine: what `slotune calibrate` (full plan, 2 threads) measured on
-# the 2-core AMD EPYC VM (avx512_bf16, no AMX, 24 GiB) on 2026-12-02 13:31 UTC: memory read
-# 25.4 GB/s, bf16 matmul 272 GFLOP/s, fp32 59 GFLOP/s. Peaks only (no decode tables): the
-# scenario's Efficiency says how far real decode steps fall short of them.
+# The cpu-small scenario's device, stated here so that the benchmark gives the same figures
+# on any machine: the peaks `slotune calibrate` measured on a 2-core AMD EPYC VM
+# (docs/controller.md). Peaks only (no decode tables): the scenario's Efficiency says how
+# far real decode steps fall short of them.
 VM_EPYC_CPU = HardwareSpec(
     name="vm-cpu-amd-epyc-2c",
     peak_flops={"bf16": 272e9, "fp32": 59e9},
@@ -85,7 +83,7 @@ class Scenario:
     name: str
     model: str
     # A catalogue name, a JSON path, a SCENARIO_HARDWARE name, or "local-cpu" (this
-    # machine's cached calibration, else FIELD-NOTES: results then depend on the machine).
+    # machine's cached calibration, else LOCAL_CPU: results then depend on the machine).
     hardware: str
     tp: int = 1
     dtype: str = "bf16"
@@ -192,8 +190,8 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-# Held out: scenarios the tuner was NOT tuned on (issue 5: "the tuner finds the oracle on
-# a scenario it has not been tuned on"). Defined before any tuning against them, with a
+# Held out: scenarios the tuner was NOT tuned on, to show that it finds the oracle on a
+# setup it has not been tuned on. Defined before any tuning against them, with a
 # model/device/TP/SLO/efficiency mix none of SCENARIOS uses; bench/search_efficiency.py
 # runs them only when asked (--scenarios a100-8b h100x8-70b), never in its default set.
 HELD_OUT_SCENARIOS: dict[str, Scenario] = {
@@ -206,8 +204,7 @@ HELD_OUT_SCENARIOS: dict[str, Scenario] = {
             slo=Slo(ttft_p99_s=1.0, tpot_p99_s=0.03),
             workload=Workload(rate_rps=1.0, **_CHAT),
             # ~30 req/s: 20 s windows give ~600 requests, as many as the benchmark's smallest
-            # (a 10 s window's ~300 cannot call a p99 MET near the SLO: with it slotune's
-            # median was 9.5 trials and 8 of 20 seeds never got there).
+            # (a 10 s window's ~300 cannot call a p99 MET near the SLO; docs/controller.md).
             window_s=20.0,
             efficiency=Efficiency(
                 at_batch_1=0.75, at_ref_batch=0.45, overhead_s=3e-3, prefill_interference=1.8
@@ -232,7 +229,7 @@ HELD_OUT_SCENARIOS: dict[str, Scenario] = {
 
 
 def local_cpu_hardware() -> tuple[HardwareSpec, str]:
-    """``slotune calibrate``'s cached JSON for this CPU when present, else FIELD-NOTES."""
+    """``slotune calibrate``'s cached JSON for this CPU when present, else LOCAL_CPU."""
     env = os.environ.get("SLOTUNE_HARDWARE_JSON")
     candidates: list[Path] = [Path(env)] if env else []
     try:
@@ -246,7 +243,7 @@ def local_cpu_hardware() -> tuple[HardwareSpec, str]:
     for p in candidates:
         if p.is_file():
             return HardwareSpec.from_json(p), f"calibrated ({p})"
-    return LOCAL_CPU, "FIELD-NOTES figures (no calibration cache)"
+    return LOCAL_CPU, "nominal figures (no calibration cache)"
 
 
 def resolve_scenario(name: str) -> Scenario:

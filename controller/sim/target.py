@@ -5,7 +5,7 @@ names a model, a device (catalogue name or a ``slotune calibrate`` JSON), a
 tensor-parallel degree, an SLO and a saturating load. The simulator's *true*
 step time is the peak roofline of the planned step slowed the way real
 hardware is (:class:`Efficiency`): a batch-dependent fraction of peak
-(eager torch on this CPU reached 0.97 down to 0.3, FIELD-NOTES), a fixed
+(docs/controller.md gives the measured range), a fixed
 per-step overhead and prefill interference. The tuner is seeded with the
 *peak* roofline, so the seed is wrong by a realistic margin (the step time at
 the seed's batch is 1.5-3x the prediction in the built-in scenarios).
@@ -51,10 +51,10 @@ class SimTarget:
             self.hardware_source = self.hardware.source or sc.hardware
         model = resolve_model(sc.model)
         # Capacity: slots of max_len tokens. Prediction: at the mean decode context.
-        self.capacity_roofline = Roofline(
+        self._memory_roofline = Roofline(
             model=model, hardware=self.hardware, tp=sc.tp, dtype=sc.dtype, context=sc.max_len
         )
-        self.capacity = self.capacity_roofline.max_batch_memory
+        self.max_batch_memory = self._memory_roofline.max_batch_memory
         ctx = round(mean_tokens(sc.workload.prompt) + mean_tokens(sc.workload.output) / 2)
         self.context = max(1, ctx)
         self.roofline = Roofline(
@@ -69,7 +69,7 @@ class SimTarget:
         tpot_slo = max(sc.slo.tpot_p99_s, round(sc.min_tpot_slo_x_single * single, 3))
         self.slo = replace(sc.slo, tpot_p99_s=tpot_slo)
         self.analysis = analyze(
-            self.roofline, slo_tpot_s=self.slo.tpot_p99_s, max_batch=max(1, self.capacity)
+            self.roofline, slo_tpot_s=self.slo.tpot_p99_s, max_batch=max(1, self.max_batch_memory)
         )
         op = self.analysis.operating_point
         self.seed_batch = op.batch if op is not None else 1
@@ -77,7 +77,7 @@ class SimTarget:
         lo_ctx = sc.workload.prompt.lo
         self.space = SearchSpace.bounded(
             step_time_s=lambda b: self.roofline.step_time_s(b, context=lo_ctx),
-            max_batch_memory=self.capacity,
+            max_batch_memory=self.max_batch_memory,
             slo=self.slo,
             headroom_max=sc.headroom_max,
         )
@@ -86,7 +86,7 @@ class SimTarget:
         self.rate_rps = sc.load_factor * predicted_rps
         self.workload = replace(sc.workload, rate_rps=self.rate_rps)
         self.sim_config = SimConfig(
-            max_slots=max(1, self.capacity),
+            max_slots=max(1, self.max_batch_memory),
             max_len=sc.max_len,
             prefill_chunk=sc.prefill_chunk,
             warmup_s=sc.warmup_s,
@@ -165,7 +165,7 @@ class SimTarget:
             "slo_ttft_p99_s": self.slo.ttft_p99_s,
             "slo_tpot_p99_s": self.slo.tpot_p99_s,
             "rate_rps": round(self.rate_rps, 3),
-            "kv_capacity": self.capacity,
+            "kv_capacity": self.max_batch_memory,
             "search_batch_max": self.space.batch_max,
             "seed_batch": self.seed_batch,
             "context": self.context,

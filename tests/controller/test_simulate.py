@@ -78,14 +78,14 @@ def test_describe_names_the_hardware_source_and_the_seed() -> None:
     t = SimTarget(SCENARIOS["h100x4-70b"])
     d = t.describe()
     assert d["tp"] == 4 and d["seed_batch"] == t.seed_batch
-    assert t.space.batch_max <= t.capacity
+    assert t.space.batch_max <= t.max_batch_memory
     assert t.seed_knobs()[0] == Knobs(max_batch_size=t.seed_batch, max_concurrency=t.seed_batch)
     cpu = SimTarget(SCENARIOS["cpu-small"]).describe()
-    assert "calibrat" in cpu["hardware_source"] or "FIELD-NOTES" in cpu["hardware_source"]
+    assert "calibrat" in cpu["hardware_source"] or "nominal" in cpu["hardware_source"]
 
 
 def test_held_out_scenarios_are_new_setups_reachable_by_name_only() -> None:
-    """The held-out scenarios (issue 5: the tuner finds the oracle on a scenario it was not
+    """The held-out scenarios (to show the tuner finds the oracle on a scenario it was not
     tuned on) are not in the benchmark's default set, differ from every benchmark scenario
     in their (model, device, TP) and SLO, and resolve by name like the others."""
     assert HELD_OUT_SCENARIOS and not set(HELD_OUT_SCENARIOS) & set(SCENARIOS)
@@ -96,7 +96,7 @@ def test_held_out_scenarios_are_new_setups_reachable_by_name_only() -> None:
         assert sc.slo not in tuned_slos, name
         assert resolve_scenario(name) is sc
         t = SimTarget(sc)
-        assert 1 <= t.seed_batch <= t.space.batch_max <= t.capacity
+        assert 1 <= t.seed_batch <= t.space.batch_max <= t.max_batch_memory
     assert resolve_scenario("h100-8b") is SCENARIOS["h100-8b"]
     with pytest.raises(ValueError, match="'nope'.*a100-8b"):
         resolve_scenario("nope")
