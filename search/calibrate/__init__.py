@@ -1,1 +1,1 @@
-"""Measure the local device at decode's shapes (torch) and turn the tables into the roofline's profile."""
+"""Measure the local device at decode's shapes (torch); turn the tables into a roofline profile."""

@@ -1,4 +1,4 @@
-"""How much :func:`search.calibrate.device.calibrate` measures: named plans (``full``, ``quick``)."""
+"""How much :func:`search.calibrate.device.calibrate` measures: named plans (full, quick)."""
 
 from __future__ import annotations
 

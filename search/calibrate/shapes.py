@@ -63,8 +63,8 @@ def _layers_within(per_layer_bytes: int, layers: int) -> int:
 
 
 def can_prepack(dev: torch.device, dt: torch.dtype) -> bool:
-    """Whether serving's engine prepacks its linears here (serving/model/transformer.py ``can_prepack``,
-    keep in step): CPU, bf16, oneDNN with bf16 support."""
+    """Whether serving's engine prepacks its linears here (keep in step with
+    serving/model/transformer.py ``can_prepack``): CPU, bf16, oneDNN with bf16 support."""
     return (
         dev.type == "cpu"
         and dt == torch.bfloat16

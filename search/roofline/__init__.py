@@ -1,1 +1,2 @@
-"""The decode roofline: model and hardware catalogs, step time, the curve, its knee and the operating point (pure, no torch)."""
+"""The decode roofline: model and hardware catalogs, step time, the curve, its knee and the
+operating point (pure, no torch)."""
