@@ -1,33 +1,12 @@
 """Roofline-guided proposals: the seed, then brackets corrected by what was measured.
 
-The peak roofline predicts TPOT(B) up to an unknown, batch-dependent factor (real
-kernels run at 0.3-0.97 of peak, plus per-step overhead and prefill
-interference). Each measurement gives that factor at one batch,
-``k(B) = measured p99 TPOT / predicted step time``; between measured batches
-``log k`` is interpolated linearly in ``log B`` (held constant outside). TTFT is
-extrapolated log-log from the measured points. The models' answer is the largest
-batch with ``k(B)·model(B) <= aim · TPOT SLO`` and TTFT ``<= ttft_aim · TTFT SLO``.
-
-Because the models are crude, the answer is safeguarded like a bracketing root
-finder on [largest batch measured feasible, smallest batch above it not proven
-feasible]: it is clamped to the middle of the bracket (log scale); above a
-feasible point with nothing over the SLO yet it probes at least 25% higher; with
-nothing feasible yet it comes down at most ``max_step_down`` (8x) per step. Below
-the smallest measured batch the roofline is flat where p99 TPOT is not (per-step
-overhead and prefill interference shrink with the batch), so there p99 TPOT is
-taken to fall at least like ``B**min_elasticity`` (0.5) from the measured point:
-a seed a few percent over the SLO leads a few tens of percent down, not 8x. While a
-single batch ``b0`` has been measured, the correction below it is one factor carried
-over a distance, so the TPOT aim there is lowered by ``extrapolation_discount`` (0.25)
-per unit of ``ln(b0/B)``, to no less than ``min_aim_factor`` (0.6) of the aim: from a
-seed 2x over the SLO the next step lands inside it rather than at its edge, where one
-more window could not confirm it. :meth:`Guide.ceiling` is the goodput the models
-predict at the largest batch they put within both SLOs; the tuner re-measures a point
-at once when it is within its gain threshold of that. Guidance ends when the
-bracket is narrower than ``resolution``, after ``max_steps``, or when it would
-propose a knob already measured; the tuner then re-measures and samples. The
-admission headroom is kept from the seed, its log halved per TTFT violation.
-Pure: no I/O, no clock.
+:class:`Guide` models p99 TPOT as the peak roofline times a batch-dependent factor learned
+from the measurements (``k(B) = measured p99 TPOT / predicted step time``, interpolated in
+log-log) and TTFT by a log-log fit, and proposes the largest batch both models put within
+``aim`` of the SLOs, safeguarded like a bracketing root finder. :meth:`Guide.ceiling` is the
+goodput the models predict at that batch. Guidance ends when the bracket is narrower than
+``resolution``, after ``max_steps``, or on a knob already measured. docs/search.md gives the
+safeguards and their defaults. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations

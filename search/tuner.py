@@ -1,31 +1,17 @@
 """The roofline-seeded, SLO-constrained Optuna tuner (ask/tell; the controller owns the loop).
 
-Per trial the controller calls :meth:`Tuner.propose` (a :class:`Knobs` to apply),
-measures one window, and calls :meth:`Tuner.report` with the Observation. The
-proposals come, in order of priority, from:
+Per trial the controller calls :meth:`Tuner.propose` (a :class:`Knobs` to apply), measures
+one window, and calls :meth:`Tuner.report` with the Observation; :meth:`Tuner.should_stop`
+applies :mod:`search.stop_rule`. Proposals come, in order of priority, from the seed, the
+roofline guide (:mod:`search.guide`), re-measurement of the incumbent until it is declared
+(:mod:`search.remeasure`, :mod:`search.evidence`), then Optuna's sampler with both latency
+constraints (docs/search.md). Every proposal is an Optuna trial, so the sampler learns from
+all of them and optuna-dashboard shows the study, its objective named ``goodput``.
 
-1. ``seed``: the first seed knob (the roofline's predicted operating point);
-2. ``guided``: with a ``model_tpot_s`` (the peak roofline's step time), the
-   roofline corrected by every measurement so far (:mod:`search.guide`): the
-   next points bracket the seed and converge on the TPOT boundary; without a
-   model, the remaining seed knobs in order (``guide_options``: Guide fields);
-3. ``remeasure``: the incumbent (best by pooled measurements) is measured
-   again until it is declared: ``stop_rule.confirmations`` windows whose requests,
-   pooled, meet both SLOs (:mod:`search.evidence`, :mod:`search.stop_rule`); at once when
-   its goodput is within ``declare_gain`` of the ceiling above it, and after
-   guidance a point above it that failed only for want of evidence gets another
-   window before the sampler (:mod:`search.remeasure`);
-4. ``sampler``: Optuna's sampler (GPSampler by default; TPE and random for
-   comparison) over the log-scaled box, with both latency constraints given
-   through ``Trial.set_constraint``.
-
-Every proposal is an Optuna trial (seeded ones through ``Study.enqueue_trial``),
-so the sampler learns from all of them and optuna-dashboard shows the study.
-The study lives in any Optuna storage: a plain path means a JournalStorage file,
-a URL (``sqlite:///x.db``) goes to Optuna as is, None keeps it in memory. On
-opening an existing study, trials left RUNNING by a killed controller are
-marked FAIL and the search resumes where it stopped: all tuner state is derived
-from the stored trials. :meth:`should_stop` applies :mod:`search.stop_rule`.
+Storage: a plain path is a JournalStorage file, a URL (``sqlite:///x.db``) goes to Optuna
+as is, None keeps the study in memory. On opening an existing study, trials a killed
+controller left RUNNING are marked FAIL and the search resumes: all tuner state is derived
+from the stored trials.
 """
 
 from __future__ import annotations
