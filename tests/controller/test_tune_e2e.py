@@ -27,15 +27,12 @@ def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def tiny_app(ray_cluster):
-    from metrics.observation import Slo
+    from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import delete_app, deploy_app
 
     deploy_app(
-        model="tiny",
-        max_batch_size=2,
-        max_ongoing_requests=2,
-        slo=Slo(ttft_p99_s=3.0, tpot_p99_s=0.25),
-        max_slots=32,
+        ServerArgs(model="tiny", max_slots=32),
+        LiveConfig(max_batch_size=2, ttft_p99_s=3.0, tpot_p99_s=0.25, max_ongoing_requests=2),
         max_queued_requests=-1,
         name=APP,
         route_prefix=f"/{APP}",
