@@ -39,12 +39,7 @@ import torch
 
 from search.calibrate.layer import measure_layer_in_stream
 from search.calibrate.plan import PLANS, CalibrationPlan
-from search.calibrate.profile import (  # noqa: F401 (the helpers, importable from here too)
-    _head_bytes,
-    _layer_bytes,
-    assemble_profile,
-    monotone_rates,
-)
+from search.calibrate.profile import assemble_profile
 from search.calibrate.shapes import (
     TORCH_DTYPES,
     best_time,
