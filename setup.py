@@ -78,9 +78,7 @@ class BuildNative(build_ext):
             return
         # The record goes where serving/ is built (the source tree when editable), written
         # only once the whole build is there.
-        record = (
-            Path(self.get_ext_fullpath("serving.native")).parent / Path(native.RECORD).name
-        )
+        record = Path(self.get_ext_fullpath("serving.native")).parent / Path(native.RECORD).name
         record.unlink(missing_ok=True)
         try:
             super().run()
@@ -89,7 +87,9 @@ class BuildNative(build_ext):
                 Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
             _pure(f"compiling failed ({e!r})")
             return
-        record.write_text(json.dumps({"sources": native.source_hashes(COMPILED, HERE)}, indent=1) + "\n")
+        record.write_text(
+            json.dumps({"sources": native.source_hashes(COMPILED, HERE)}, indent=1) + "\n"
+        )
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildNative})

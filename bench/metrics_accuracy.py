@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client.metrics import Histogram
 
 from metrics import names
+from metrics.observation import DEFAULT_SLO
 from metrics.quantile import histogram_quantile
 from metrics.samples import exact_quantile, verdict_from_histogram, verdict_from_samples
 
@@ -63,10 +64,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    slos = {"ttft": names.DEFAULT_TTFT_SLO_S, "tpot": names.DEFAULT_TPOT_SLO_S}
+    slos = {"ttft": DEFAULT_SLO.ttft_p99_s, "tpot": DEFAULT_SLO.tpot_p99_s}
     ours = {
-        "ttft": names.slo_buckets([names.DEFAULT_TTFT_SLO_S]),
-        "tpot": names.slo_buckets([names.DEFAULT_TPOT_SLO_S]),
+        "ttft": names.slo_buckets([DEFAULT_SLO.ttft_p99_s]),
+        "tpot": names.slo_buckets([DEFAULT_SLO.tpot_p99_s]),
     }
     base = tuple(b for b in Histogram.DEFAULT_BUCKETS if math.isfinite(b))
 

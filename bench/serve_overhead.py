@@ -190,6 +190,7 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import delete_app, deploy_app, replica_pids, start_local_ray
     from serving.engine.async_engine import AsyncEngine
     from serving.model.config import ModelConfig
@@ -212,18 +213,15 @@ def main() -> None:
     intervals: list[float | None] = [a.stream_interval, *a.also_interval]
     apps = [f"{APP}-{i}" for i in range(len(intervals))]
     for app, interval in zip(apps, intervals, strict=True):
-        deploy_app(
+        server = ServerArgs(
             model=a.model,
-            name=app,
-            route_prefix=f"/{app}",
             max_slots=a.batch,
-            max_batch_size=a.batch,
-            max_ongoing_requests=a.batch,
-            max_queued_requests=-1,
             device=a.device,
             torch_threads=a.torch_threads,
             **({} if interval is None else {"stream_interval_s": interval}),
         )
+        live = LiveConfig(max_batch_size=a.batch, max_ongoing_requests=a.batch)
+        deploy_app(server, live, name=app, route_prefix=f"/{app}", max_queued_requests=-1)
     base = f"http://127.0.0.1:{port}"
     urls = [f"{base}/{app}/v1/completions" for app in apps]
     # The request path: this process (the HTTP client), Serve's proxy, the replica.

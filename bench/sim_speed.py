@@ -71,8 +71,9 @@ class Reference:
 
 
 def load_reference(ref: str) -> Reference:
-    """serving/sim/simulator.py (with the serving modules it imports), controller/sim/decode_run.py and
-    metrics/samples.py as they were at git ``ref``, imported under a private package name."""
+    """serving/sim/simulator.py (with the serving modules it imports),
+    controller/sim/decode_run.py and metrics/samples.py as they were at git ``ref``,
+    imported under a private package name."""
     pkg = f"_sim_ref_{abs(hash(ref)) % 10**8}"
     tmp = Path(tempfile.mkdtemp(prefix="sim_speed_")) / pkg
     tmp.mkdir()

@@ -30,9 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller import tune_setup  # noqa: E402
-from controller.cli import tune as cli_tune  # noqa: E402
-from controller.load.spec import LengthDist  # noqa: E402
+from controller import tune_plan, tune_setup  # noqa: E402
 from controller.progress import Progress  # noqa: E402
 from controller.report.curve import CurveReport  # noqa: E402
 from controller.report.records import TrialRecord  # noqa: E402
@@ -43,11 +41,12 @@ from search.objective import evaluate  # noqa: E402
 from search.points import summarize  # noqa: E402
 from search.space import Knobs  # noqa: E402
 from search.tuner import Tuner  # noqa: E402
+from serving.sim.workload import LengthDist  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="small", choices=sorted(cli_tune.MODELS))
+    ap.add_argument("--model", default="small", choices=sorted(tune_plan.MODELS))
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--max-trials", type=int, default=20)
@@ -69,9 +68,9 @@ def main() -> None:
         prompt_tokens=LengthDist(mean=args.prompt_tokens),
         output_tokens=LengthDist(mean=args.output_tokens),
     )
-    slots = cli_tune.DEFAULT_SLOTS[args.model]
+    slots = tune_plan.DEFAULT_MAX_SLOTS[args.model]
     t_setup = time.monotonic()
-    metrics_port, _ = cli_tune.start_local_ray()
+    metrics_port, _ = tune_setup.start_local_ray()
     try:
         device = "cpu"
         import torch
@@ -79,8 +78,8 @@ def main() -> None:
         if torch.cuda.is_available():
             device = "cuda"
         threads = tune_setup.embedded_threads()  # the replica's torch threads: calibrate at them
-        hw, hw_note = cli_tune.hardware_spec(device, quiet=False, threads=threads)
-        searched = cli_tune.plan_search(
+        hw, hw_note = tune_plan.hardware_spec(device, quiet=False, threads=threads)
+        searched = tune_plan.plan_search(
             model=args.model,
             hardware=hw,
             slo=slo,
@@ -88,21 +87,22 @@ def main() -> None:
             max_slots=slots,
             context=args.prompt_tokens + args.output_tokens // 2,
         )
+        from serving.app.config import LiveConfig, ServerArgs
         from serving.app.deploy import deploy_app
 
-        first = searched["seeds"][0]
+        first = searched.seeds[0]
         deploy_app(
-            model=args.model,
-            max_batch_size=first.max_batch_size,
-            max_ongoing_requests=first.max_concurrency,
-            slo=slo,
-            max_slots=slots,
-            max_queued_requests=-1,
+            ServerArgs(model=args.model, max_slots=slots, device=device, torch_threads=threads),
+            LiveConfig(
+                max_batch_size=first.max_batch_size,
+                ttft_p99_s=slo.ttft_p99_s,
+                tpot_p99_s=slo.tpot_p99_s,
+                max_ongoing_requests=first.max_concurrency,
+            ),
             name="slotune",
-            device=device,
-            torch_threads=threads,
+            max_queued_requests=-1,
         )
-        reader, _ = cli_tune.make_reader(
+        reader, _ = tune_setup.make_reader(
             slo=slo,
             app="slotune",
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
@@ -110,24 +110,24 @@ def main() -> None:
             prefix="ray_",
         )
         target = RayServeTarget(
-            url=cli_tune.serve_url("slotune"), app_name="slotune", slo=slo, reader=reader,
+            url=tune_setup.serve_url("slotune"), app_name="slotune", slo=slo, reader=reader,
             plan=plan, shape=shape,
         )  # fmt: skip
         setup_s = time.monotonic() - t_setup
         out = Path(args.out)
         tuner = Tuner(
-            space=searched["space"],
+            space=searched.space,
             slo=slo,
             storage=None,
-            seed_knobs=searched["seeds"],
-            model_tpot_s=searched["roofline"].step_time_s,
+            seed_knobs=searched.seeds,
+            model_tpot_s=searched.roofline.step_time_s,
             seed=0,
         )
-        a = searched["analysis"]
-        base = CurveReport(slo=slo, trials=(), predicted=searched["predicted"],
+        a = searched.analysis
+        base = CurveReport(slo=slo, trials=(), predicted=searched.predicted,
                            model=args.model, hardware=hw.name, knee_batch=a.knee_batch,
                            ridge_flops_per_byte=a.ridge_flops_per_byte,
-                           predicted_batch=searched["seed_batch"])  # fmt: skip
+                           predicted_batch=searched.seed_batch)  # fmt: skip
         t0 = time.monotonic()
         outcome = run_tune(
             target=target,
@@ -141,7 +141,7 @@ def main() -> None:
         chosen = outcome.report.chosen
 
         # The grid, on the same deployment and window plan.
-        top = searched["space"].batch_max
+        top = searched.space.batch_max
         batches = sorted({b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= top} | {top})
         if args.quick:
             batches = [b for b in batches if b in (1, 4, 16, 32, 64, 128) or b == top]
@@ -177,7 +177,7 @@ def main() -> None:
                 duel["pick"].append(measure(pick, 100 + 2 * r))
                 duel["best"].append(measure(best_k, 101 + 2 * r))
     finally:
-        cli_tune.shutdown_local()
+        tune_setup.shutdown_local()
 
     print(f"setup (Ray, deploy, calibration: {hw_note}): {setup_s:.0f} s")
     print("\nslotune tune trials")

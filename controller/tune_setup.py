@@ -230,6 +230,7 @@ def prepare(
     attach to that existing application (``deployment`` within it). ``url`` overrides the
     app's HTTP base, ``metrics_url`` or ``prometheus_url`` the metrics source (names
     carrying ``prefix``); ``shape`` sets the context the roofline predicts at."""
+    from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import deploy_app
     from serving.app.replicas import DeployError
 
@@ -270,15 +271,15 @@ def prepare(
             )
         try:
             deploy_app(
-                model=model,
-                max_batch_size=first.max_batch_size,
-                max_ongoing_requests=first.max_concurrency,
-                slo=slo,
-                max_slots=max_slots,
-                max_queued_requests=-1,
+                ServerArgs(model=model, max_slots=max_slots, device=device, torch_threads=threads),
+                LiveConfig(
+                    max_batch_size=first.max_batch_size,
+                    ttft_p99_s=slo.ttft_p99_s,
+                    tpot_p99_s=slo.tpot_p99_s,
+                    max_ongoing_requests=first.max_concurrency,
+                ),
                 name=app,
-                device=device,
-                torch_threads=threads,
+                max_queued_requests=-1,
             )
         except (DeployError, ValueError) as e:
             raise SetupFailed(f"deploying the built-in model failed: {e}") from e

@@ -12,12 +12,13 @@ The same test on counts works for histograms whose bounds contain T exactly (the
 ``slo_buckets`` inserts the thresholds), and it is equivalent to comparing T with the
 order-statistic confidence bound of the quantile (:func:`quantile_upper_bound`).
 
-Speed: a verdict on counts is a fixed cost of every simulated window (serving/sim/simulator.py), and
-``scipy.stats``' distribution objects spend ~100 µs per scalar call checking and
-broadcasting their arguments. The scalar helpers below (:func:`_binom_cdf`,
-:func:`_binom_sf`, :func:`_beta_ppf`) call the same scipy.special functions those objects
-call, with the same special cases, so they return the same bits at ~1 µs
-(tests/metrics/test_samples.py checks them against ``scipy.stats`` over many (n, k)).
+Speed: a verdict on counts is a fixed cost of every simulated window, and ``scipy.stats``'
+distribution objects spend ~100 µs per scalar call checking and broadcasting their
+arguments. The scalar helpers below call the public regularized incomplete beta functions
+of ``scipy.special`` (binomial tails are incomplete beta values) at ~1 µs. ``betainc`` and
+``betaincinv`` give ``scipy.stats``' binomial survival function and beta quantile bit for
+bit; ``betaincc`` gives its binomial CDF to within a few ulp, which leaves every verdict
+unchanged (tests/metrics/test_samples.py).
 """
 
 from __future__ import annotations
@@ -27,13 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 from scipy import stats
-
-try:  # what scipy.stats' binom and beta evaluate: private names (scipy 1.17 has them)
-    from scipy.special._ufuncs import _beta_ppf as _uf_beta_ppf
-    from scipy.special._ufuncs import _binom_cdf as _uf_binom_cdf
-    from scipy.special._ufuncs import _binom_sf as _uf_binom_sf
-except ImportError:  # a scipy that moved them: the public (slower) calls, the same values
-    _uf_beta_ppf = _uf_binom_cdf = _uf_binom_sf = None
+from scipy.special import betainc, betaincc, betaincinv
 
 from metrics.observation import SloVerdict, Verdict
 
@@ -94,34 +89,30 @@ def quantile_lower_bound(samples: Iterable[float], q: float, confidence: float =
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:
-    """``stats.binom.cdf(k, n, p)`` of whole ``k`` and ``n >= 0``, ``0 <= p <= 1``."""
+    """P(Bin(n, p) <= k) of whole ``k`` and ``n >= 0``, ``0 <= p <= 1``."""
     if k < 0:
         return 0.0
     if k >= n:
         return 1.0
-    if _uf_binom_cdf is None:
-        return float(stats.binom.cdf(k, n, p))
-    v = float(_uf_binom_cdf(float(k), float(n), float(p)))
+    v = float(betaincc(k + 1.0, float(n - k), float(p)))
     return 0.0 if v < 0 else 1.0 if v > 1 else v  # np.clip(v, 0, 1), NaN kept
 
 
 def _binom_sf(k: int, n: int, p: float) -> float:
-    """``stats.binom.sf(k, n, p)`` of whole ``k`` and ``n >= 0``, ``0 <= p <= 1``."""
+    """P(Bin(n, p) > k) of whole ``k`` and ``n >= 0``, ``0 <= p <= 1``."""
     if k < 0:
         return 1.0
     if k >= n:
         return 0.0
-    if _uf_binom_sf is None:
-        return float(stats.binom.sf(k, n, p))
-    v = float(_uf_binom_sf(float(k), float(n), float(p)))
+    v = float(betainc(k + 1.0, float(n - k), float(p)))
     return 0.0 if v < 0 else 1.0 if v > 1 else v  # np.clip(v, 0, 1), NaN kept
 
 
 def _beta_ppf(q: float, a: float, b: float) -> float:
     """``stats.beta.ppf(q, a, b)``."""
-    if _uf_beta_ppf is None or not (0 < q < 1 and a > 0 and b > 0):
+    if not (0 < q < 1 and a > 0 and b > 0):
         return float(stats.beta.ppf(q, a, b))  # its special cases
-    return float(_uf_beta_ppf(float(q), float(a), float(b)) * 1.0 + 0.0)  # as ppf scales
+    return float(betaincinv(float(a), float(b), float(q)))
 
 
 def exceed_fraction_bounds(total: int, above: int, confidence: float) -> tuple[float, float]:

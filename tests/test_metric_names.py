@@ -5,6 +5,7 @@ import math
 import pytest
 
 from metrics import names
+from metrics.observation import DEFAULT_SLO
 
 
 def test_buckets_contain_thresholds_and_are_dense() -> None:
@@ -31,8 +32,8 @@ def test_exported_name() -> None:
 
 def test_cluster_layouts_hold_defaults_and_round_slos_exactly() -> None:
     for bounds, default, standard in (
-        (names.TTFT_BUCKETS, names.DEFAULT_TTFT_SLO_S, names.STANDARD_TTFT_SLOS_S),
-        (names.TPOT_BUCKETS, names.DEFAULT_TPOT_SLO_S, names.STANDARD_TPOT_SLOS_S),
+        (names.TTFT_BUCKETS, DEFAULT_SLO.ttft_p99_s, names.STANDARD_TTFT_SLOS_S),
+        (names.TPOT_BUCKETS, DEFAULT_SLO.tpot_p99_s, names.STANDARD_TPOT_SLOS_S),
     ):
         assert default in bounds and set(standard) <= set(bounds)
         assert list(bounds) == sorted(set(bounds))

@@ -93,13 +93,20 @@ def serve(
             stream_events_per_s=stream_events_per_s,
         )
         slo = Slo(ttft_p99_s=slo_ttft_ms / 1e3, tpot_p99_s=slo_tpot_ms / 1e3)
-        LiveConfig(max_batch_size=max_batch_size)
+        live = LiveConfig(
+            max_batch_size=max_batch_size,
+            ttft_p99_s=slo.ttft_p99_s,
+            tpot_p99_s=slo.tpot_p99_s,
+            max_ongoing_requests=max_ongoing_requests,
+        )
     except ValueError as e:
         raise BadInput(str(e)) from None
-    _check(
-        max_batch_size <= max_slots,
-        f"--max-batch-size {max_batch_size}: must be <= --max-slots {max_slots}",
-    )
+    try:
+        live.check_fits(args)
+    except ValueError:  # the same check, said in the flags' words
+        raise BadInput(
+            f"--max-batch-size {max_batch_size}: must be <= --max-slots {max_slots}"
+        ) from None
     if checkpoint is not None:
         _check(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: not a directory")
 
@@ -111,21 +118,7 @@ def serve(
     start_local_ray(num_cpus=num_cpus, metrics_port=metrics_port, http_port=port, host=LOOPBACK)
     try:
         t0 = time.monotonic()
-        deploy_app(
-            model=args.model,
-            max_batch_size=max_batch_size,
-            max_ongoing_requests=max_ongoing_requests,
-            max_queued_requests=max_queued_requests,
-            slo=slo,
-            max_slots=max_slots,
-            device=device,
-            checkpoint=checkpoint,
-            max_len=max_len,
-            torch_threads=torch_threads,
-            stream_interval_s=stream_interval,
-            stream_events_per_s=stream_events_per_s,
-            name=app_name,
-        )
+        deploy_app(args, live, name=app_name, max_queued_requests=max_queued_requests)
         url = f"http://{LOOPBACK}:{port}"
         typer.echo(f"serving {args.served_name} in {time.monotonic() - t0:.1f} s")
         typer.echo(f"url: {url}/v1  (POST /v1/completions, GET /v1/models, GET /health)")

@@ -17,7 +17,11 @@ def _serve(argv: list[str], capsys, monkeypatch) -> tuple[int, str, dict]:
 
     seen: dict = {}
     monkeypatch.setattr(serving.app.deploy, "start_local_ray", lambda **kw: seen.update(start=kw))
-    monkeypatch.setattr(serving.app.deploy, "deploy_app", lambda **kw: seen.update(deploy=kw))
+    monkeypatch.setattr(
+        serving.app.deploy,
+        "deploy_app",
+        lambda args, live, **kw: seen.update(deploy=(args, live, kw)),
+    )
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray_serve, "shutdown", lambda: None)
     with pytest.raises(SystemExit) as e:
@@ -28,13 +32,13 @@ def _serve(argv: list[str], capsys, monkeypatch) -> tuple[int, str, dict]:
 def test_slo_flags_are_milliseconds(capsys, monkeypatch) -> None:
     code, err, seen = _serve(["--slo-ttft-ms", "1500", "--slo-tpot-ms", "80"], capsys, monkeypatch)
     assert code == 0, err
-    assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.5, tpot_p99_s=0.08)
+    assert seen["deploy"][1].slo == Slo(ttft_p99_s=1.5, tpot_p99_s=0.08)
 
 
 def test_defaults_are_one_second_and_100_ms(capsys, monkeypatch) -> None:
     code, err, seen = _serve([], capsys, monkeypatch)
     assert code == 0, err
-    assert seen["deploy"]["slo"] == Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
+    assert seen["deploy"][1].slo == Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
 
 
 @pytest.mark.parametrize(
@@ -74,9 +78,9 @@ def test_streaming_pace_defaults_to_the_replicas_and_flags_reach_the_app(
     code, err, seen = _serve([], capsys, monkeypatch)
     assert code == 0, err
     d = ServerArgs()
-    assert seen["deploy"]["stream_interval_s"] == d.stream_interval_s
-    assert seen["deploy"]["stream_events_per_s"] == d.stream_events_per_s
+    assert seen["deploy"][0].stream_interval_s == d.stream_interval_s
+    assert seen["deploy"][0].stream_events_per_s == d.stream_events_per_s
     argv = ["--stream-interval", "0", "--stream-events-per-s", "40"]
     code, err, seen = _serve(argv, capsys, monkeypatch)
     assert code == 0, err
-    assert (seen["deploy"]["stream_interval_s"], seen["deploy"]["stream_events_per_s"]) == (0, 40)
+    assert (seen["deploy"][0].stream_interval_s, seen["deploy"][0].stream_events_per_s) == (0, 40)

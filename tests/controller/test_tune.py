@@ -409,8 +409,8 @@ def test_measure_window_warms_up_then_measures_until_enough_requests() -> None:
     import asyncio
     import time
 
-    from controller.load.spec import LengthDist
     from controller.targets import RequestShape, WindowPlan, measure_window
+    from serving.sim.workload import LengthDist
     from tests.controller.test_loadgen import FakeOpenAI, serving
 
     fake = FakeOpenAI(first_delay_s=0.002, token_delay_s=0.001)

@@ -124,7 +124,8 @@ def test_this_checkout_runs_the_compiled_build() -> None:
 _FINGERPRINT = r"""
 import json, sys
 from controller.sim.decode_run import DecodeRunStepTime
-from controller.sim.target import SCENARIOS, SimTarget
+from controller.sim.scenarios import SCENARIOS
+from controller.sim.target import SimTarget
 from serving import native
 from serving.sim.simulator import simulate
 
