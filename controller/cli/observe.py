@@ -14,8 +14,9 @@ import time
 
 import typer
 
+from controller.cli.flags import slo_from_ms
 from metrics.errors import MetricsError
-from metrics.observation import DEFAULT_SLO, Observation, Slo
+from metrics.observation import DEFAULT_SLO, Observation
 from metrics.sources import PromQLSource, ScrapeSource
 
 
@@ -93,10 +94,7 @@ def observe(
 ) -> None:
     """Observe one window of a deployment's metrics and print what the controller would see."""
     try:
-        for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
-            if not (math.isfinite(ms) and ms > 0):
-                raise typer.BadParameter(f"{flag} {ms:g}: must be a positive number of ms")
-        slo = Slo(ttft_p99_s=slo_ttft_ms / 1e3, tpot_p99_s=slo_tpot_ms / 1e3)
+        slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
         sel = _selector(selector)
         if not (math.isfinite(window_s) and window_s > 0):
             raise typer.BadParameter(f"--window {window_s!r}: must be a positive number")

@@ -9,7 +9,6 @@ shuts Serve and Ray down.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import threading
@@ -17,8 +16,9 @@ import time
 
 import typer
 
+from controller.cli.flags import slo_from_ms
 from controller.errors import BadInput
-from metrics.observation import DEFAULT_SLO, Slo
+from metrics.observation import DEFAULT_SLO
 from serving.app.config import DEFAULT_STREAM_EVENTS_PER_S, DEFAULT_STREAM_INTERVAL_S
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,7 @@ def serve(
         max_queued_requests == -1 or max_queued_requests >= 1,
         f"--max-queued-requests {max_queued_requests}: must be -1 or >= 1",
     )
-    for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
-        _check(math.isfinite(ms) and ms > 0, f"{flag} {ms:g}: must be a positive number of ms")
+    slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
     try:
         args = ServerArgs(
             model=model,
@@ -92,7 +91,6 @@ def serve(
             stream_interval_s=stream_interval,
             stream_events_per_s=stream_events_per_s,
         )
-        slo = Slo(ttft_p99_s=slo_ttft_ms / 1e3, tpot_p99_s=slo_tpot_ms / 1e3)
         live = LiveConfig(
             max_batch_size=max_batch_size,
             ttft_p99_s=slo.ttft_p99_s,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from controller.cli.flags import slo_from_ms
 from controller.errors import BadInput, NoFeasiblePoint
 from controller.report.cost import catalog_price, cost_sentence
 from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS
@@ -88,12 +89,10 @@ def tune(
     from controller.report.curve import CurveReport
     from controller.targets import RayServeTarget, RequestShape, WindowPlan
     from controller.tune import TuneLimits, run_tune
-    from metrics.observation import Slo
     from search.tuner import Tuner
     from serving.sim.workload import LengthDist
 
-    _positive("--slo-ttft-ms", slo_ttft_ms)
-    _positive("--slo-tpot-ms", slo_tpot_ms)
+    slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
     _positive("--time-budget", time_budget)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour >= 0):
         raise BadInput(f"--price-per-hour {price_per_hour!r}: must be a number >= 0")
@@ -102,7 +101,6 @@ def tune(
     if metrics_url and prometheus_url:
         raise BadInput("--metrics-url and --prometheus-url: give one, not both")
     try:
-        slo = Slo(ttft_p99_s=slo_ttft_ms / 1e3, tpot_p99_s=slo_tpot_ms / 1e3)
         limits = TuneLimits(max_trials=max_trials, time_budget_s=time_budget)
         plan = WindowPlan(
             warmup_s=warmup_s,
