@@ -1,4 +1,5 @@
-"""The live progress display of ``slotune tune``: trial n of N, the knobs, the p99s
+"""The live progress display of ``slotune tune``: n of N, the trial's number in the
+study (as trials.jsonl, the report and optuna-dashboard number it), the knobs, the p99s
 against the SLO, goodput and the best so far (rich, on stderr); silent with ``--quiet``."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class RichProgress(Progress):
     def begin(self, n: int, total: int, knobs: Any) -> None:
         self._n = n
         self._status = self.console.status(
-            f"trial {n}/{total}: applying and measuring batch={knobs.max_batch_size} "
+            f"{n}/{total}: applying and measuring batch={knobs.max_batch_size} "
             f"concurrency={knobs.max_concurrency} ..."
         )
         self._status.start()
@@ -59,7 +60,7 @@ class RichProgress(Progress):
 
         s = self.slo
         line = (
-            f"trial {self._n:>2}/{total}  B={rec.max_batch_size:<4} "
+            f"{self._n:>2}/{total} trial {rec.number:<3} B={rec.max_batch_size:<4} "
             f"C={rec.max_concurrency:<4} "
             f"p99 TTFT {rec.p99_ttft_ms:7.1f}/{s.ttft_p99_s * 1e3:.0f} ms "
             f"{mark(rec.ttft_verdict)}  "

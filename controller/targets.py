@@ -17,13 +17,14 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from controller.load.generator import run_load
 from controller.load.result import LoadResult, RequestRecord, client_observation
 from controller.load.spec import TraceItem, completions_url, saturating_spec
-from controller.target_errors import TargetError
+from controller.target_errors import TargetError, TargetUnavailable
 from controller.windows import WindowReader
 from metrics.observation import Observation, Slo
 from serving.sim.workload import LengthDist
@@ -42,6 +43,10 @@ class Measurement:
     client: Observation | None = None
     client_errors: int = 0
     note: str = ""
+    # Why this window is not data ("" when it is): a replica restarted or changed version
+    # during it, or the client saw more errors than WindowPlan allows. The loop discards
+    # such a window and measures again (controller/tune.py).
+    fault: str = ""
 
 
 @runtime_checkable
@@ -76,6 +81,10 @@ class WindowPlan:
     max_window_s: float = 30.0
     min_requests: int = 300
     poll_s: float = 0.25
+    # Client errors (not rejections) a window tolerates: more than max(max_client_errors,
+    # max_client_error_frac of its requests) and the window is discarded as faulty.
+    max_client_errors: int = 2
+    max_client_error_frac: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("warmup_s", "window_s", "max_window_s", "poll_s"):
@@ -90,6 +99,38 @@ class WindowPlan:
             )
         if not (isinstance(self.min_requests, int) and self.min_requests >= 0):
             raise ValueError(f"min_requests={self.min_requests!r}: must be an integer >= 0")
+        if not (isinstance(self.max_client_errors, int) and self.max_client_errors >= 0):
+            raise ValueError(
+                f"max_client_errors={self.max_client_errors!r}: must be an integer >= 0"
+            )
+        if not (0 <= self.max_client_error_frac <= 1):
+            raise ValueError(
+                f"max_client_error_frac={self.max_client_error_frac!r}: must be in [0, 1]"
+            )
+
+    def error_fault(self, errors: int, requests: int) -> str:
+        """Why ``errors`` client errors among ``requests`` void a window ("" if they don't)."""
+        bound = max(self.max_client_errors, math.floor(self.max_client_error_frac * requests))
+        if errors <= bound:
+            return ""
+        return f"{errors} client errors in the window (more than {bound} of {requests} requests)"
+
+
+# The replicas serving an app, as (replica id, pid, config version) each: the same value
+# at both ends of a window means no replica restarted and none changed version during it.
+Fleet = tuple[tuple[str, int, str], ...]
+
+
+def fleet_fault(before: Fleet, after: Fleet) -> str:
+    """Why a window that began on replicas ``before`` and ended on ``after`` is not data."""
+    if before != after:
+        old = ", ".join(f"{r[0]} pid {r[1]} v{r[2]}" for r in before) or "none"
+        new = ", ".join(f"{r[0]} pid {r[1]} v{r[2]}" for r in after) or "none"
+        return f"the replicas changed during the window (restart or update): [{old}] -> [{new}]"
+    versions = {r[2] for r in after}
+    if len(versions) > 1:
+        return f"the replicas ran different config versions {sorted(versions)}"
+    return ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +153,12 @@ async def measure_window(
     plan: WindowPlan,
     shape: RequestShape,
     reader: WindowReader,
+    fleet: Callable[[], Fleet] | None = None,
 ) -> Measurement:
-    """Saturating load at the knobs' admission limit; warm up, then read one window."""
+    """Saturating load at the knobs' admission limit; warm up, then read one window.
+
+    ``fleet`` (if given) is read as the window begins and ends: a difference makes the
+    window a fault (:attr:`Measurement.fault`), as do too many client errors."""
     spec = saturating_spec(
         completions_url(url),
         max_concurrency=int(knobs.max_concurrency),
@@ -130,6 +175,7 @@ async def measure_window(
     load = asyncio.create_task(run_load(spec, stop=stop, on_record=done.append))
     try:
         await _sleep_unless(load, plan.warmup_s)
+        before = await asyncio.to_thread(fleet) if fleet else ()
         token = await asyncio.to_thread(reader.begin)
         t0 = time.time()
         while not load.done():
@@ -142,6 +188,7 @@ async def measure_window(
                 break
         t1 = time.time()
         obs = await asyncio.to_thread(reader.end, token, start_s=t0, end_s=t1)
+        after = await asyncio.to_thread(fleet) if fleet else ()
     finally:
         stop.set()
         result: LoadResult = await load
@@ -154,7 +201,12 @@ async def measure_window(
         if result.errors:
             first = next(r for r in result.records if not r.ok and not r.rejected)
             note += f" ({result.errors} client errors, e.g. {first.error[:120]})"
-    return Measurement(observation=obs, client=client, client_errors=window.errors, note=note)
+    fault = fleet_fault(before, after) or plan.error_fault(
+        window.errors, len(window.records) - window.rejected
+    )
+    return Measurement(
+        observation=obs, client=client, client_errors=window.errors, note=note, fault=fault
+    )
 
 
 def _with_times(obs: Observation, start_s: float, end_s: float) -> Observation:
@@ -236,8 +288,19 @@ class RayServeTarget:
                 plan=self.plan,
                 shape=self.shape,
                 reader=self.reader,
+                fleet=self.fleet,
             )
         )
+
+    def fleet(self) -> Fleet:
+        """The app's running replicas as they report themselves (id, pid, config version)."""
+        from serving.app.deploy import replica_states
+
+        try:
+            states = replica_states(self.app_name)
+        except Exception as e:  # Serve's controller unreachable: no verdict on this window
+            raise TargetUnavailable(f"could not list the replicas of {self.app_name!r}: {e}") from e
+        return tuple(sorted((s.replica_id, s.pid, s.version) for s in states))
 
     def describe(self) -> dict[str, Any]:
         return {"target": "ray-serve", "app": self.app_name, "url": self.url, **self._describe}

@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controller.errors import BadInput
 from controller.progress import Progress
 from controller.report.curve import CurveReport
 from controller.report.files import write_report
@@ -53,6 +55,7 @@ class TuneLimits:
     time_budget_s: float = 300.0
     retries: int = 2  # transient measurement failures per trial before the run stops
     retry_wait_s: float = 2.0
+    remeasures: int = 2  # windows across a fault discarded per trial before the run stops
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_trials, int) and self.max_trials >= 1):
@@ -61,6 +64,8 @@ class TuneLimits:
             raise ValueError(f"time_budget_s={self.time_budget_s!r}: must be > 0 seconds")
         if not (isinstance(self.retries, int) and self.retries >= 0):
             raise ValueError(f"retries={self.retries!r}: must be an integer >= 0")
+        if not (isinstance(self.remeasures, int) and self.remeasures >= 0):
+            raise ValueError(f"remeasures={self.remeasures!r}: must be an integer >= 0")
         if not (math.isfinite(self.retry_wait_s) and self.retry_wait_s >= 0):
             raise ValueError(f"retry_wait_s={self.retry_wait_s!r}: must be >= 0 seconds")
 
@@ -109,8 +114,12 @@ def run_tune(
     _save_to_study(
         tuner, STUDY_META_KEY, {k: v for k, v in base.to_dict().items() if k != "trials"}
     )
-    original = target.current_knobs()
-    records: list[TrialRecord] = []
+    original = _original_knobs(out, target)
+    # A resumed study (same --study) keeps its trials: they count towards max_trials and
+    # stay in the report, and a point confirmed feasible before is still known-good.
+    records: list[TrialRecord] = stored_records(tuner.study.user_attrs)
+    resumed = len(records)
+    discarded: list[str] = []
     walls: list[float] = []
     stop_reason = ""
     aborted = ""
@@ -121,7 +130,9 @@ def run_tune(
         while True:
             elapsed = clock() - t_start
             if len(records) >= limits.max_trials:
-                stop_reason = f"max trials ({limits.max_trials}) reached"
+                stop_reason = f"max trials ({limits.max_trials}) reached" + (
+                    f", {resumed} of them from the resumed study" if resumed else ""
+                )
                 break
             # Start a trial only if a typical one still fits in the budget.
             typical = statistics.median(walls) if walls else 0.0
@@ -141,11 +152,16 @@ def run_tune(
             progress.begin(len(records) + 1, total, knobs)
             t0 = clock()
             target.apply(knobs)
-            m = _measure_with_retries(target, knobs, limits, progress, sleep)
+            m, faults = _measure_clean(target, knobs, limits, progress, sleep)
             told = tuner.report(knobs, m.observation)
             number = told.number
+            discarded += [f"trial {number} (B={knobs.max_batch_size}): {f}" for f in faults]
             # the tuner's reason, then what the metrics source said (why stale or thin)
             note = m.note or "; ".join(x for x in (told.reason, m.observation.note) if x)
+            if faults:
+                note = f"re-measured after {len(faults)} faulty window(s): {faults[-1]}" + (
+                    f"; {note}" if note else ""
+                )
             rec = TrialRecord.from_observation(
                 number=number,
                 knobs=knobs,
@@ -155,6 +171,7 @@ def run_tune(
                 client=m.client,
                 client_errors=m.client_errors,
                 note=note,
+                remeasured=len(faults),
             )
             records.append(rec)
             walls.append(rec.wall_s)
@@ -187,6 +204,8 @@ def run_tune(
             "final_note": note,
         }
     )
+    if discarded:  # windows across a fault: never data, but the reviewer must know
+        meta["discarded_windows"] = f"{len(discarded)}: " + " | ".join(discarded)
     report = report.with_trials(records, meta=meta)
     _save_to_study(
         tuner, STUDY_META_KEY, {k: v for k, v in report.to_dict().items() if k != "trials"}
@@ -203,6 +222,37 @@ def run_tune(
         final_note=note,
         paths=paths,
     )
+
+
+def _measure_clean(
+    target: Target,
+    knobs: Knobs,
+    limits: TuneLimits,
+    progress: Progress,
+    sleep: Callable[[float], None],
+) -> tuple[Measurement, list[str]]:
+    """A window with no fault in it, and the faults of the windows discarded before it.
+
+    A window during which a replica restarted or changed version, or with too many
+    client errors (:attr:`Measurement.fault`), is not data: the knobs are applied again
+    (which waits until every replica runs them) and the window measured again, at most
+    ``limits.remeasures`` times; then the run stops (:class:`TargetUnavailable`)."""
+    faults: list[str] = []
+    while True:
+        m = _measure_with_retries(target, knobs, limits, progress, sleep)
+        if not m.fault:
+            return m, faults
+        faults.append(m.fault)
+        log.warning("window on %s discarded: %s", knobs, m.fault)
+        if len(faults) > limits.remeasures:
+            raise TargetUnavailable(
+                f"{len(faults)} windows on {knobs} in a row spanned a fault, the last: {m.fault}"
+            )
+        progress.message(
+            f"[yellow]window discarded[/]: {m.fault}; re-applying {knobs} and measuring again "
+            f"({len(faults)}/{limits.remeasures})"
+        )
+        target.apply(knobs)
 
 
 def _measure_with_retries(
@@ -235,7 +285,7 @@ def _leave_on_known_good(
         knobs = Knobs(max_batch_size=chosen.max_batch_size, max_concurrency=chosen.max_concurrency)
         why = (
             f"left on the best feasible point measured: max_batch_size={chosen.max_batch_size}"
-            f" max_concurrency={chosen.max_concurrency} (trial {chosen.number + 1})"
+            f" max_concurrency={chosen.max_concurrency} (trial {chosen.number})"
         )
     elif original is not None:
         knobs = original
@@ -250,6 +300,57 @@ def _leave_on_known_good(
         why = f"could not apply {knobs} ({e}): check the deployment"
     log.info(why)
     return (knobs.max_batch_size, knobs.max_concurrency), why
+
+
+def stored_records(user_attrs: dict[str, Any]) -> list[TrialRecord]:
+    """The trial records ``run_tune`` stored in a study's user attributes, in trial order."""
+    return [
+        TrialRecord.from_dict(v)
+        for k, v in sorted(user_attrs.items())
+        if k.startswith(STUDY_TRIAL_PREFIX)
+    ]
+
+
+ORIGINAL_KNOBS_FILE = "original_knobs.json"
+
+
+def _original_knobs(out: Path, target: Target) -> Knobs | None:
+    """The knobs the deployment ran before tuning, recorded in ``out`` before any change.
+
+    The first run into ``out`` reads them from the target and saves them (written to a
+    temporary file, synced, then renamed); a later run into the same ``out`` (a rerun
+    after ``slotune tune`` was killed) reads them back instead of taking the live knobs,
+    which may be the killed run's last, untested trial."""
+    path = out / ORIGINAL_KNOBS_FILE
+    app = str(target.describe().get("app", ""))
+    if path.exists():
+        try:
+            rec = json.loads(path.read_text())
+            knobs = rec["knobs"]
+            saved_app = str(rec.get("app", ""))
+            found = None if knobs is None else Knobs(**knobs)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BadInput(f"{path}: not a record of knobs slotune saved ({e})") from None
+        if saved_app != app:
+            raise BadInput(
+                f"{path}: holds the knobs app {saved_app!r} had before tuning, not app "
+                f"{app!r}; give another --out"
+            )
+        log.info("knobs from before tuning, as first recorded in %s: %s", path, found)
+        return found
+    found = target.current_knobs()
+    rec = {
+        "app": app,
+        "knobs": None if found is None else asdict(found),
+        "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        json.dump(rec, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return found
 
 
 def report_from_study(storage: str, study_name: str | None = None) -> CurveReport:
@@ -274,9 +375,7 @@ def report_from_study(storage: str, study_name: str | None = None) -> CurveRepor
         raise ValueError(f"study {study_name!r} not in {storage!r} (it holds {names})")
     study = optuna.load_study(study_name=study_name, storage=st)
     ua = study.user_attrs
-    trials = [
-        TrialRecord.from_dict(v) for k, v in sorted(ua.items()) if k.startswith(STUDY_TRIAL_PREFIX)
-    ]
+    trials = stored_records(ua)
     meta = ua.get(STUDY_META_KEY)
     if meta is not None:
         return CurveReport.from_dict({**meta, "trials": [t.to_dict() for t in trials]})

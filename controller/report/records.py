@@ -59,6 +59,7 @@ class TrialRecord:
     client_rejected: int = 0
     client_errors: int = 0
     note: str = ""  # why not feasible, or what went wrong
+    remeasured: int = 0  # windows of this trial discarded across a fault before this one
     # What the tuner stores of the window (``search.points.observation_attrs`` plus
     # ``feasible``): the request counts behind each verdict, so the report pools a
     # knob's windows exactly as the tuner does. Not a CSV column. None: not known.
@@ -76,6 +77,7 @@ class TrialRecord:
         client: Observation | None = None,
         client_errors: int = 0,
         note: str = "",
+        remeasured: int = 0,
     ) -> TrialRecord:
         def verdict(v: Any) -> tuple[str, int]:
             return ("none", 0) if v is None else (Verdict(v.verdict).value, int(v.samples))
@@ -111,6 +113,7 @@ class TrialRecord:
             client_rejected=int(client.rejected) if client else 0,
             client_errors=int(client_errors),
             note=note,
+            remeasured=int(remeasured),
             evidence={**observation_attrs(obs), "feasible": bool(feasible)},
         )
 
