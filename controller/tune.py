@@ -20,9 +20,12 @@ import json
 import logging
 import math
 import os
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,6 +95,27 @@ def _save_to_study(tuner: Tuner, key: str, value: dict[str, Any]) -> None:
         log.warning("could not store %s in the study: %s", key, e)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a Job deleted, a pod evicted): the same clean exit as Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """In the main thread, turn SIGTERM into :class:`Terminated` while the loop runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run_tune(
     *,
     target: Target,
@@ -104,11 +128,25 @@ def run_tune(
     sleep: Callable[[float], None] = time.sleep,
 ) -> TuneOutcome:
     """Tune ``target`` until the stop rule, ``max_trials`` or the time budget; export the
-    report into ``out_dir`` and leave the target on the last known-good knobs."""
-    progress = progress or Progress()
+    report into ``out_dir`` and leave the target on the last known-good knobs (also on
+    Ctrl-C and SIGTERM)."""
+    with _sigterm_as_interrupt():
+        out, shown = Path(out_dir), progress or Progress()
+        return _tune(target, tuner, base, limits, out, shown, clock, sleep)
+
+
+def _tune(
+    target: Target,
+    tuner: Tuner,
+    base: CurveReport,
+    limits: TuneLimits,
+    out: Path,
+    progress: Progress,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> TuneOutcome:
     # the report declares a knob on as many windows as the tuner
     base = replace(base, confirmations=tuner.stop_rule.confirmations)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "trials.jsonl"
     _save_to_study(
@@ -179,9 +217,9 @@ def run_tune(
                 f.write(json.dumps({"t_unix": time.time(), **rec.to_dict()}) + "\n")
             _save_to_study(tuner, f"{STUDY_TRIAL_PREFIX}{number:05d}", rec.to_dict())
             progress.end(rec, base.with_trials(records).chosen, total)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         interrupted = True
-        aborted = "interrupted (Ctrl-C)"
+        aborted = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
     except TargetUnavailable as e:
         aborted = f"measurements unavailable after {limits.retries} retries: {e}"
     except TargetError as e:

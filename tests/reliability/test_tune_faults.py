@@ -165,21 +165,19 @@ tuner = tt.make_tuner(out)
 res = run_tune(target=Deployment(), tuner=tuner, base=tt.base(),
                limits=TuneLimits(max_trials=3, time_budget_s=1e6), out_dir=out,
                sleep=lambda s: None)
-print(json.dumps({"final": res.final_knobs, "note": res.final_note}))
+print(json.dumps({"final": res.final_knobs, "note": res.final_note, "aborted": res.aborted}))
 """
 
 
-def test_a_rerun_after_sigkill_restores_the_knobs_from_before_the_first_run(
-    tmp_path: Path,
-) -> None:
+def _start_and_wait_for_second_trial(tmp_path: Path) -> tuple[subprocess.Popen, list[str]]:
+    """The driver, run until its second (hanging) trial has applied its knobs."""
     state, out = tmp_path / "deployment.json", tmp_path / "out"
     state.write_text(json.dumps({"max_batch_size": 4, "max_concurrency": 4}))
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
+    argv = [sys.executable, str(script), str(state), str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(state), str(out), "slow"], cwd=ROOT, env=env
-    )
+    proc = subprocess.Popen([*argv, "slow"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         jsonl = out / "trials.jsonl"
@@ -194,14 +192,25 @@ def test_a_rerun_after_sigkill_restores_the_knobs_from_before_the_first_run(
         else:
             pytest.fail("the first run never reached its second trial")
         time.sleep(0.3)
-        proc.send_signal(signal.SIGKILL)
-    finally:
+    except BaseException:
         proc.kill()
         proc.wait(timeout=30)
+        raise
+    return proc, argv
+
+
+def test_a_rerun_after_sigkill_restores_the_knobs_from_before_the_first_run(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "deployment.json"
+    proc, argv = _start_and_wait_for_second_trial(tmp_path)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     killed_on = json.loads(state.read_text())
     assert killed_on != {"max_batch_size": 4, "max_concurrency": 4}  # an untested trial's
     rerun = subprocess.run(
-        [sys.executable, str(script), str(state), str(out), "fast"],
+        [*argv, "fast"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -213,3 +222,17 @@ def test_a_rerun_after_sigkill_restores_the_knobs_from_before_the_first_run(
     assert result["final"] == [4, 4], result
     assert "restored" in result["note"]
     assert json.loads(state.read_text()) == {"max_batch_size": 4, "max_concurrency": 4}
+
+
+def test_sigterm_mid_trial_exits_cleanly_on_the_knobs_from_before(tmp_path: Path) -> None:
+    proc, _ = _start_and_wait_for_second_trial(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["aborted"] == "terminated (SIGTERM)" and result["final"] == [4, 4]
+    state = json.loads((tmp_path / "deployment.json").read_text())
+    assert state == {"max_batch_size": 4, "max_concurrency": 4}
