@@ -8,7 +8,7 @@ alternate engine / Serve in ABBA order so drift in the load from other work on
 the machine hits both alike. The figure is the median of the per-round ratios
 (Serve tokens/s ÷ engine tokens/s); target ≥ 0.9.
 
-Ray is started the way slotune starts it (``serving.app.deploy.start_local_ray``):
+Ray is started the way slotune starts it (``serving.app.cluster.start_local_ray``):
 in particular its workers (the replica, the proxy) run at the niceness of this
 process, not Ray's default 15, which would hand any other process on a shared
 machine the CPU before the replica and measure the scheduler, not the serving
@@ -182,7 +182,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from serving.app.deploy import ray_env_defaults
+    from serving.app.cluster import ray_env_defaults
 
     ray_env_defaults()  # before torch and Ray start: OMP policy, worker niceness
 
@@ -190,8 +190,9 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from serving.app.cluster import start_local_ray
     from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import delete_app, deploy_app, replica_pids, start_local_ray
+    from serving.app.deploy import delete_app, deploy_app, replica_pids
     from serving.engine.async_engine import AsyncEngine
     from serving.model.config import ModelConfig
 

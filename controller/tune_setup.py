@@ -47,7 +47,7 @@ class Setup:
 
 def start_local_ray() -> tuple[int, int]:
     """Ray + Serve on this machine, loopback only; returns (metrics port, HTTP port)."""
-    from serving.app.deploy import start_local_ray as start
+    from serving.app.cluster import start_local_ray as start
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     metrics_port, http_port = _free_port(), _free_port()
@@ -62,7 +62,7 @@ def attach_ray(address: str | None) -> None:
         _check_reachable(address)
     if ray.is_initialized():
         return
-    from serving.app.deploy import ray_env_defaults
+    from serving.app.cluster import ray_env_defaults
 
     ray_env_defaults()
     try:

@@ -111,7 +111,8 @@ def serve(
     import ray
     from ray import serve as ray_serve
 
-    from serving.app.deploy import deploy_app, start_local_ray
+    from serving.app.cluster import start_local_ray
+    from serving.app.deploy import deploy_app
 
     start_local_ray(num_cpus=num_cpus, metrics_port=metrics_port, http_port=port, host=LOOPBACK)
     try:

@@ -37,7 +37,7 @@ DEFAULT_STREAM_INTERVAL_S = 0.2
 DEFAULT_STREAM_EVENTS_PER_S = 150.0
 # Environment of every replica process, carried in the app's ``runtime_env``
 # (serving.app.deploy.app_config, deploy/serve-config.yaml) so that it holds wherever
-# the app runs, not only on a Ray that slotune started (serving.app.deploy.RAY_ENV_DEFAULTS
+# the app runs, not only on a Ray that slotune started (serving.app.cluster.RAY_ENV_DEFAULTS
 # sets the same for the whole local cluster, the HTTP proxy included):
 # - RAY_worker_niceness=0: Ray renices worker processes to 15, so any ordinary
 #   process on the machine takes the CPU from the replica first (Ray's own job

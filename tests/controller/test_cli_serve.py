@@ -12,11 +12,12 @@ def _serve(argv: list[str], capsys, monkeypatch) -> tuple[int, str, dict]:
     import ray
     from ray import serve as ray_serve
 
+    import serving.app.cluster
     import serving.app.deploy
     from controller.cli.main import main
 
     seen: dict = {}
-    monkeypatch.setattr(serving.app.deploy, "start_local_ray", lambda **kw: seen.update(start=kw))
+    monkeypatch.setattr(serving.app.cluster, "start_local_ray", lambda **kw: seen.update(start=kw))
     monkeypatch.setattr(
         serving.app.deploy,
         "deploy_app",

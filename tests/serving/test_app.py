@@ -328,7 +328,7 @@ def test_replica_runs_with_the_threads_policy_and_priority_it_was_given(server) 
     rt = stats(server.base)["runtime"]
     assert rt["torch_threads"] == 1  # ServerArgs.torch_threads, not Ray's OMP_NUM_THREADS
     assert rt["omp_wait_policy"] == "PASSIVE"
-    # Ray renices workers to 15 unless told otherwise (serving.app.deploy.RAY_ENV_DEFAULTS):
+    # Ray renices workers to 15 unless told otherwise (serving.app.cluster.RAY_ENV_DEFAULTS):
     # the engine thread must run at the niceness of the process that started Ray.
     assert rt["engine_thread_niceness"] == os.getpriority(os.PRIO_PROCESS, 0)
     assert rt["user_code_in_separate_thread"] is False  # handlers on the replica's main loop

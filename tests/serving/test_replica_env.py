@@ -27,7 +27,8 @@ os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "1"
 import httpx, ray
 from ray import serve
 from serving.app.config import LiveConfig, ServerArgs
-from serving.app.deploy import delete_app, deploy_app, start_local_ray
+from serving.app.cluster import start_local_ray
+from serving.app.deploy import delete_app, deploy_app
 
 def free():
     with socket.socket() as s:
