@@ -8,8 +8,10 @@ batches, the small GEMM past it on AVX2, and whole decoder layers at the GEMV's 
 The source is compiled by the system C compiler (``$CC``, else ``cc``/``gcc``) with
 ``-march=native`` into a per-user cache (``$SLOTUNE_KERNEL_CACHE``, else
 ``~/.cache/slotune/kernels``), keyed by the source, the flags, the compiler and the
-CPU's flags; a build is reused by every later process (Ray replicas included). No
-compiler, a failed build, a CPU other than x86-64, or ``SLOTUNE_CPU_KERNELS=0``:
+CPU's flags; a build is reused by every later process (Ray replicas included). The
+cache must be private (this user's, writable by no one else: serving/kernels/build_cache.py)
+and a library is loaded only when it matches the checksum recorded at its build. No
+compiler, a failed build, a shared cache, a CPU other than x86-64, or ``SLOTUNE_CPU_KERNELS=0``:
 :func:`load` returns None and the model keeps its torch path (same results to rounding
 order). The attention kernel serves bf16 decode steps (prefill runs torch), the norm
 every bf16 forward on CPU; fp32/fp16 and CUDA run torch.
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from serving.kernels import cpu_step, hugepages
+from serving.kernels import build_cache, cpu_step, hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -300,25 +302,17 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "slotune" / "kernels"
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile the kernels (or find them already built); returns the library's path.
-    Raises RuntimeError with the compiler's message when it cannot."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+def _key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(
+    return hashlib.sha256(
         b"\0".join((src, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()))
     ).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"slotune_cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: processes building at once (Ray
-    # replicas starting together) each rename a complete library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+
+
+def _compile(cc: str, target: Path) -> None:
+    # Built under a temporary name, its checksum recorded, then renamed into place.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         res = subprocess.run(
@@ -326,11 +320,36 @@ def build(directory: Path | None = None) -> Path:
         )
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1:]}")
-        os.chmod(tmp, 0o755)  # not mkstemp's 0600: a cache may be shared between users
-        os.replace(tmp, target)
+        build_cache.install(Path(tmp), target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _open_built(directory: Path | None) -> tuple[Path, int]:
+    """The library's path and a verified, open descriptor of it: found in the private
+    cache when it checks out (build_cache.open_verified), else compiled there."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    directory = build_cache.private_dir(directory or cache_dir())
+    target = directory / f"slotune_cpu_kernels-{_key(cc)}.so"
+    with build_cache.locked(directory):  # replicas starting together compile once
+        fd = build_cache.open_verified(target)
+        if fd is None:
+            _compile(cc, target)
+            fd = build_cache.open_verified(target)
+        if fd is None:
+            raise RuntimeError(f"{target}: the library just built does not verify")
+    return target, fd
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile the kernels (or find them already built and verified); returns the
+    library's path. RuntimeError with the compiler's message when it cannot, and
+    build_cache.UnsafeCache when the cache directory is not private to this user."""
+    target, fd = _open_built(directory)
+    os.close(fd)
     return target
 
 
@@ -344,8 +363,19 @@ def load() -> Kernels | None:
         logger.info("CPU kernels: built for x86-64 only, not %s", platform.machine())
         return None
     try:
-        path = build()
-        kernels = Kernels(ctypes.CDLL(str(path)), path)
+        path, fd = _open_built(None)
+        try:  # load the descriptor that was verified, not the name again
+            by_fd = f"/proc/self/fd/{fd}"
+            kernels = Kernels(ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(path)), path)
+        finally:
+            os.close(fd)
+    except build_cache.UnsafeCache as exc:
+        logger.warning(
+            "CPU kernels not loaded: %s; set SLOTUNE_KERNEL_CACHE to a directory only this "
+            "user can write. Decode attention runs torch ops",
+            exc,
+        )
+        return None
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels unavailable (%s): decode attention runs torch ops", exc)
         return None
