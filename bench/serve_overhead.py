@@ -181,7 +181,6 @@ def main() -> None:
         "rounds (A/B in one run); the headline ratio stays the --stream-interval one",
     )
     a = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from serving.app.cluster import ray_env_defaults
 
     ray_env_defaults()  # before torch and Ray start: OMP policy, worker niceness

@@ -46,32 +46,72 @@ class Setup:
 
 
 def start_local_ray() -> tuple[int, int]:
-    """Ray + Serve on this machine, loopback only; returns (metrics port, HTTP port)."""
+    """A new Ray + Serve on this machine, loopback only, token auth on (a private token);
+    returns (metrics port, HTTP port). Never attaches to a running or stale cluster."""
     from serving.app.cluster import start_local_ray as start
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     metrics_port, http_port = _free_port(), _free_port()
     start(num_cpus=os.cpu_count() or 2, metrics_port=metrics_port, http_port=http_port)
     return metrics_port, http_port
 
 
+# What Ray's GCS says when a driver's token is missing or wrong (gcs_client.cc, through
+# node.py's "Failed to connect to GCS"): ray.init then raises a plain ConnectionError.
+_AUTH_REFUSED = ("Unauthenticated", "InvalidAuthToken", "authentication token")
+
+
 def attach_ray(address: str | None) -> None:
+    """Attach this process to a running cluster (``address`` or Ray's ``auto``).
+
+    The token is Ray's own business: RAY_AUTH_MODE=token and one of RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token (Ray turns auth on by itself only for an
+    ``auto`` address). A refused token gets its own message, not "cannot connect".
+    """
     import ray
+    from ray.exceptions import AuthenticationError
+
+    from serving.app.cluster import keep_loopback, ray_env_defaults
 
     if address and address != "auto":
         _check_reachable(address)
     if ray.is_initialized():
         return
-    from serving.app.cluster import ray_env_defaults
-
     ray_env_defaults()
+    target = address if address and address != "auto" else os.environ.get("RAY_ADDRESS", "")
+    if _host(target) in ("127.0.0.1", "localhost", "::1"):
+        keep_loopback()  # else ray.init dials the machine's routable IP, where nothing listens
     try:
         ray.init(address=address or "auto", log_to_driver=False)
+    except AuthenticationError as e:
+        raise BadInput(_auth_message(address, str(e).splitlines()[0])) from None
     except Exception as e:  # ConnectionError, RuntimeError... all mean "cannot attach"
+        cause = f"{e} {e.__cause__ or ''}"
+        if any(s in cause for s in _AUTH_REFUSED):
+            raise BadInput(_auth_message(address, "the cluster refused this driver")) from None
         raise BadInput(
             f"--address {address or 'auto'}: cannot connect to a Ray cluster ({e}); "
             "start one with `ray start --head` or omit --address to run locally"
         ) from None
+
+
+def _auth_message(address: str | None, what: str) -> str:
+    from serving.app.cluster import AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, token_source
+
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is None or mode.lower() != "token":
+        have = f"{AUTH_MODE_ENV} is {mode or 'unset'}, so this driver sent no token"
+    else:
+        have = f"the token came from {token_source() or 'nowhere (no token found)'}"
+    return (
+        f"--address {address or 'auto'}: token authentication failed ({what}; {have}). "
+        f"Set {AUTH_MODE_ENV}=token and give that cluster's token in ${TOKEN_ENV}, "
+        f"in a file named by ${TOKEN_PATH_ENV}, or in ~/.ray/auth_token"
+    )
+
+
+def _host(address: str) -> str:
+    hostport = address.split("://", 1)[-1].split("/", 1)[0]
+    return hostport.rpartition(":")[0].strip("[]")
 
 
 def _check_reachable(address: str) -> None:
@@ -81,7 +121,7 @@ def _check_reachable(address: str) -> None:
     if not host or not port.isdigit():
         raise BadInput(f"--address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
     try:
-        socket.create_connection((host, int(port)), timeout=3.0).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=3.0).close()
     except OSError as e:
         raise BadInput(
             f"--address {address}: nothing answers there ({e.strerror or e}); "

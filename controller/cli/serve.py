@@ -1,7 +1,8 @@
 """``slotune serve``: start Ray locally, deploy the completion server, print its URLs.
 
 Ray is started with only what serving needs (no dashboard, a bounded object
-store, metrics exported every second on ``--metrics-port``); Serve's HTTP proxy
+store, metrics exported every second on ``--metrics-port``), always a new cluster of
+its own, on loopback and with token auth (serving.app.cluster); Serve's HTTP proxy
 binds loopback. The command blocks until Ctrl-C (or ``--for`` seconds), then
 shuts Serve and Ray down.
 """
@@ -114,7 +115,9 @@ def serve(
     from serving.app.cluster import start_local_ray
     from serving.app.deploy import deploy_app
 
-    start_local_ray(num_cpus=num_cpus, metrics_port=metrics_port, http_port=port, host=LOOPBACK)
+    cluster = start_local_ray(
+        num_cpus=num_cpus, metrics_port=metrics_port, http_port=port, host=LOOPBACK
+    )
     try:
         t0 = time.monotonic()
         deploy_app(args, live, name=app_name, max_queued_requests=max_queued_requests)
@@ -122,6 +125,8 @@ def serve(
         typer.echo(f"serving {args.served_name} in {time.monotonic() - t0:.1f} s")
         typer.echo(f"url: {url}/v1  (POST /v1/completions, GET /v1/models, GET /health)")
         typer.echo(f"metrics: http://{LOOPBACK}:{metrics_port}/metrics")
+        env = " ".join(f"{k}={v}" for k, v in cluster.attach_env().items())
+        typer.echo(f"ray: {cluster.gcs_address} (loopback, token auth); attach with {env}")
         _block(run_for)
     finally:
         try:

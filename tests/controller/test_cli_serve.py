@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from metrics.observation import Slo
@@ -17,7 +19,10 @@ def _serve(argv: list[str], capsys, monkeypatch) -> tuple[int, str, dict]:
     from controller.cli.main import main
 
     seen: dict = {}
-    monkeypatch.setattr(serving.app.cluster, "start_local_ray", lambda **kw: seen.update(start=kw))
+    local = serving.app.cluster.LocalRay(gcs_address="127.0.0.1:1", token_path=Path("/none"))
+    monkeypatch.setattr(
+        serving.app.cluster, "start_local_ray", lambda **kw: seen.update(start=kw) or local
+    )
     monkeypatch.setattr(
         serving.app.deploy,
         "deploy_app",

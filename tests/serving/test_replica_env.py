@@ -56,7 +56,7 @@ finally:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_runtime_env_gives_the_replica_niceness_0_and_the_main_loop_on_any_cluster() -> None:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run(
         [sys.executable, "-c", CHILD],
