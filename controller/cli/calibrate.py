@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from controller.cli import flags
+from controller.cli.paths import file_error, output_file
 from controller.cli.roofline import LOCAL, model_spec
 from controller.errors import BadInput
 
@@ -43,6 +44,14 @@ def calibrate(
 ) -> None:
     """Measure this device (memory bandwidth, matmul peaks, decode-shape throughput) and
     write a hardware JSON that `slotune roofline --hardware` reads."""
+    flags.price("--price-per-hour", price_per_hour)
+    flags.at_least("--threads", threads, 1)
+    wanted = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+    if not wanted:
+        raise BadInput(f"--dtypes {dtypes!r}: name at least one of fp32, bf16, fp16")
+    if out is not None:
+        output_file("--out", out)
+    m = model_spec(model)
     if "torch" in sys.modules:
         log.warning("torch already imported: OMP_WAIT_POLICY cannot be set any more")
     # Spinning OpenMP threads on a shared CPU distort every figure (docs/roofline.md).
@@ -50,14 +59,7 @@ def calibrate(
     from search.calibrate import device as calib  # torch is imported only when calibrating
 
     if threads is not None:
-        if threads < 1:
-            raise BadInput(f"--threads {threads}: must be >= 1")
         calib.torch.set_num_threads(threads)
-
-    m = model_spec(model)
-    wanted = tuple(d.strip() for d in dtypes.split(",") if d.strip())
-    if not (math.isfinite(price_per_hour) and price_per_hour >= 0):
-        raise BadInput(f"--price-per-hour {price_per_hour:g}: must be a number >= 0")
     try:
         dev = calib.pick_device(device)
         cal = calib.calibrate(
@@ -71,7 +73,10 @@ def calibrate(
         raise BadInput(str(e)) from None
     spec = dataclasses.replace(cal.spec, usd_per_hour=price_per_hour)
     path = out or calib.default_cache_path(dev)
-    spec.to_json(path, extra=cal.measured)
+    try:
+        spec.to_json(path, extra=cal.measured)
+    except OSError as e:
+        raise file_error("--out", path, e) from None
     if as_json:
         typer.echo(json.dumps({"path": str(path), **cal.measured}))
         return

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 
+from controller.cli import flags
+from controller.cli.paths import file_error, output_dir, study_storage
 from controller.errors import BadInput, NoFeasiblePoint
+
+DEFAULT_URL_OUT = Path("slotune-out/export")  # where a study held at a URL is exported
 
 
 def export(
@@ -25,19 +28,23 @@ def export(
     from controller.report.files import write_report
     from controller.tune import report_from_study
 
-    if "://" not in study and not Path(study).exists():
-        raise BadInput(f"STUDY {study}: no such file (give a journal file or an Optuna URL)")
+    flags.price("--price-per-hour", price_per_hour)
+    study_storage("STUDY", study, must_exist=True)
+    is_url = "://" in study
+    out_dir = output_dir("--out", out or (Path(study).parent if not is_url else DEFAULT_URL_OUT))
     try:
         report = report_from_study(study, study_name)
+    except OSError as e:
+        raise file_error("STUDY", study, e, "read") from None
     except (ValueError, KeyError) as e:
-        raise BadInput(str(e)) from None
+        raise BadInput(f"STUDY {study}: {e}") from None
     if price_per_hour is not None:
-        if not (math.isfinite(price_per_hour) and price_per_hour >= 0):
-            raise BadInput(f"--price-per-hour {price_per_hour!r}: must be a number >= 0")
         meta = {**report.meta, "price": "--price-per-hour (given to export)"}
         report = replace(report, usd_per_hour=price_per_hour, meta=meta)
-    out_dir = out or (Path(study).parent if "://" not in study else Path("slotune-out/export"))
-    paths = write_report(report, out_dir)
+    try:
+        paths = write_report(report, out_dir)
+    except OSError as e:
+        raise file_error("--out", out_dir, e) from None
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
     if report.chosen is None:
         raise NoFeasiblePoint(f"the study's {len(report.trials)} trials hold no feasible point")

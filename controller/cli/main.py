@@ -1,8 +1,8 @@
 """The ``slotune`` command line.
 
 Each command lives in its own module and is registered here; ``main`` turns
-:class:`~controller.errors.BadInput` (and ``ValueError`` raised while parsing
-user input) into one line on stderr and exit code 2, never a traceback.
+:class:`~controller.errors.BadInput` and click's usage errors (an unknown option, a
+value that does not parse) into one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -39,15 +39,32 @@ for command in (roofline, calibrate, tune, export, serve, observe, simulate):
     command.register(app)
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=argv, standalone_mode=False)
+    except typer.TyperException as e:  # click's errors (typer vendors click since 0.25)
+        if type(e).__name__ == "NoArgsIsHelpError":  # `slotune` alone: the help
+            text = e.format_message()  # (typer's rich help prints itself and returns "")
+            if text.strip():
+                print(text, file=sys.stderr)
+        else:  # a usage error (unknown option, a value that does not parse): one line
+            print(f"slotune: error: {_one_line(e.format_message())}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("slotune: aborted", file=sys.stderr)
+        sys.exit(1)
     except BadInput as e:
-        print(f"slotune: error: {e}", file=sys.stderr)
+        print(f"slotune: error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
     except NoFeasiblePoint as e:
         print(f"slotune: no feasible point: {e}", file=sys.stderr)
         sys.exit(3)
+    # typer.Exit(n) comes back as n outside standalone mode; a command's own return, None
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

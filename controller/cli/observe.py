@@ -14,7 +14,7 @@ import time
 
 import typer
 
-from controller.cli.flags import slo_from_ms
+from controller.cli.flags import http_url, slo_from_ms
 from metrics.errors import MetricsError
 from metrics.observation import DEFAULT_SLO, Observation
 from metrics.sources import PromQLSource, ScrapeSource
@@ -95,6 +95,7 @@ def observe(
     """Observe one window of a deployment's metrics and print what the controller would see."""
     try:
         slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
+        http_url("URL", url)
         sel = _selector(selector)
         if not (math.isfinite(window_s) and window_s > 0):
             raise typer.BadParameter(f"--window {window_s!r}: must be a positive number")

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from controller.cli.paths import file_error, output_file
 from controller.errors import BadInput, NoFeasiblePoint
 from search.roofline.curve import Roofline
 from search.roofline.hardware import HARDWARE_NAMES, HardwareSpec, resolve_hardware
@@ -35,7 +36,10 @@ def _hardware(value: str) -> HardwareSpec:
                 f"--hardware local: no calibration at {path}; run `slotune calibrate` first, "
                 f"or use one of {', '.join(HARDWARE_NAMES)} or a JSON file"
             )
-        return HardwareSpec.from_json(path)
+        try:
+            return HardwareSpec.from_json(path)
+        except ValueError as e:
+            raise BadInput(f"--hardware local: {e}; run `slotune calibrate` again") from None
     try:
         return resolve_hardware(value)
     except ValueError as e:
@@ -125,7 +129,6 @@ def _print_table(a: RooflineAnalysis, console: Console) -> None:
 
 
 def write_csv(a: RooflineAnalysis, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["batch", "tpot_ms", "tokens_per_s", "bound", "fits"])
@@ -171,6 +174,10 @@ def roofline(
         raise BadInput(f"--max-batch {max_batch}: must be >= 1")
     if plot_path is not None and plot_path.suffix.lower() != ".png":
         raise BadInput(f"--plot {plot_path}: must end in .png")
+    if csv_path is not None:
+        output_file("--csv", csv_path)
+    if plot_path is not None:
+        output_file("--plot", plot_path)
     m, hw = model_spec(model), _hardware(hardware)
     try:
         r = Roofline(
@@ -193,12 +200,18 @@ def roofline(
         _print_table(a, console)
     notes = []
     if csv_path is not None:
-        write_csv(a, csv_path)
+        try:
+            write_csv(a, csv_path)
+        except OSError as e:
+            raise file_error("--csv", csv_path, e) from None
         notes.append(f"wrote {csv_path}")
     if plot_path is not None:
         from controller.report.roofline_plot import plot_analysis
 
-        plot_analysis(a, plot_path)
+        try:
+            plot_analysis(a, plot_path)
+        except OSError as e:
+            raise file_error("--plot", plot_path, e) from None
         notes.append(f"wrote {plot_path}")
     for n in notes:
         typer.echo(n, err=as_json)

@@ -16,6 +16,8 @@ from dataclasses import replace
 
 import typer
 
+from controller.cli import flags
+from controller.cli.paths import study_storage
 from controller.errors import BadInput, NoFeasiblePoint
 from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, resolve_scenario
 from controller.sim.target import SimTarget
@@ -61,6 +63,14 @@ def simulate_cmd(
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    flags.seed("--seed", seed)
+    flags.at_least("--max-trials", max_trials, 1)
+    flags.at_least("--tp", tp, 1)
+    for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
+        if ms is not None:
+            flags.positive_ms(flag, ms)
+    if study is not None:
+        study_storage("--study", study, must_exist=False)
     try:
         sc = resolve_scenario(scenario)
         changes: dict[str, object] = {}
@@ -82,8 +92,6 @@ def simulate_cmd(
             sc = replace(sc, **changes, name=f"{sc.name}-custom")
         if sampler not in SAMPLERS:
             raise ValueError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
-        if max_trials < 1:
-            raise ValueError(f"--max-trials {max_trials}: must be >= 1")
         target = SimTarget(sc, seed=seed)
         tuner = Tuner(
             space=target.space,

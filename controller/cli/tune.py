@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from controller.cli import flags
 from controller.cli.flags import slo_from_ms
+from controller.cli.paths import file_error, input_file, output_dir, study_storage
 from controller.errors import BadInput, NoFeasiblePoint
 from controller.report.cost import catalog_price, cost_sentence
 from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS
@@ -34,18 +36,83 @@ from controller.tune_setup import SetupFailed, local_device, prepare, shutdown_l
 from metrics.observation import DEFAULT_SLO
 
 if TYPE_CHECKING:
-    from controller.targets import WindowPlan
+    from controller.load.spec import TraceItem
+    from controller.targets import RequestShape, WindowPlan
     from controller.tune import TuneOutcome
     from controller.windows import WindowReader
+    from serving.sim.workload import LengthDist
 
 log = logging.getLogger(__name__)
 
 
-def _positive(flag: str, v: float | None, *, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if v is None or not (math.isfinite(v) and v > 0):
+def _positive(flag: str, v: float) -> None:
+    if not (math.isfinite(v) and v > 0):
         raise BadInput(f"{flag} {v!r}: must be a positive number")
+
+
+def _lengths(flag: str, spec: str) -> LengthDist:
+    from serving.sim.workload import LengthDist
+
+    try:
+        return LengthDist.parse(spec)
+    except ValueError as e:
+        raise BadInput(f"{flag} {e}") from None
+
+
+def _trace(path: Path) -> tuple[TraceItem, ...]:
+    from controller.load.spec import load_trace
+
+    input_file("--trace", path)
+    try:
+        return load_trace(path)
+    except OSError as e:
+        raise file_error("--trace", path, e, "read") from None
+    except ValueError as e:  # load_trace's message starts "trace PATH line N: ..."
+        msg = str(e)
+        msg = f"--{msg}" if msg.startswith("trace ") else f"--trace {path}: {msg}"
+        raise BadInput(msg) from None
+
+
+def _fits_context(
+    shape: RequestShape, model: str, prompt_spec: str, output_spec: str, trace: Path | None
+) -> None:
+    """Every request the load can send fits one KV slot of the built-in model (prompt +
+    output <= its context); else the server would answer each with a 400, and a whole
+    budget would be spent measuring them."""
+    from serving.engine.engine import slot_context
+    from serving.model.config import ModelConfig
+
+    ctx = slot_context(ModelConfig.from_name(model))
+    holds = f"the built-in {model!r} model holds {ctx} tokens a request (prompt + output)"
+    if shape.trace is not None:
+        for i, item in enumerate(shape.trace, start=1):
+            n = item.prompt_tokens
+            if isinstance(item.prompt, str):
+                n = len(item.prompt.encode("utf-8"))  # the byte-level tokenizer's count
+            elif item.prompt is not None:
+                raise BadInput(f"--trace {trace}: request {i}: prompt must be a string")
+            elif not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+                raise BadInput(
+                    f"--trace {trace}: request {i}: prompt_tokens={n!r}: must be an integer >= 1"
+                )
+            if n + item.max_tokens > ctx:
+                raise BadInput(
+                    f"--trace {trace}: request {i} has {n} prompt + {item.max_tokens} output "
+                    f"tokens, but {holds}"
+                )
+        return
+    p, o = shape.prompt_tokens.max_tokens, shape.output_tokens.max_tokens
+    if p + o > ctx:
+        cut = [
+            f"{spec} draws up to {d.hi}"
+            for spec, d in ((prompt_spec, shape.prompt_tokens), (output_spec, shape.output_tokens))
+            if d.kind == "lognormal"
+        ]
+        raise BadInput(
+            f"--prompt-tokens {prompt_spec} --output-tokens {output_spec}: a request can "
+            f"reach {p} + {o} = {p + o} tokens, but {holds}; give smaller lengths"
+            + (f" ({'; '.join(cut)})" if cut else "")
+        )
 
 
 def tune(
@@ -84,22 +151,33 @@ def tune(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress display."),
 ) -> None:
     """Find the operating point of a live deployment and export the curve."""
-    from controller.load.spec import load_trace
     from controller.progress import Progress, RichProgress
     from controller.report.curve import CurveReport
     from controller.targets import RayServeTarget, RequestShape, WindowPlan
     from controller.tune import TuneLimits, run_tune
     from search.tuner import Tuner
-    from serving.sim.workload import LengthDist
 
+    # Every value is checked here, before Ray starts or anything is measured.
     slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
     _positive("--time-budget", time_budget)
-    if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour >= 0):
-        raise BadInput(f"--price-per-hour {price_per_hour!r}: must be a number >= 0")
+    flags.price("--price-per-hour", price_per_hour)
     if model not in MODELS:
         raise BadInput(f"--model {model}: choose one of {', '.join(MODELS)}")
     if metrics_url and prometheus_url:
         raise BadInput("--metrics-url and --prometheus-url: give one, not both")
+    for flag, value in (
+        ("--url", url),
+        ("--metrics-url", metrics_url),
+        ("--prometheus-url", prometheus_url),
+    ):
+        flags.http_url(flag, value)
+    flags.at_least("--max-slots", max_slots, 1)
+    flags.at_least("--min-requests", min_requests, 0)
+    flags.seed("--seed", seed)
+    if not (math.isfinite(warmup_s) and warmup_s >= 0):
+        raise BadInput(f"--warmup {warmup_s!r}: must be a number of seconds >= 0")
+    _positive("--window", window_s)
+    _positive("--max-window", max_window_s)
     try:
         limits = TuneLimits(max_trials=max_trials, time_budget_s=time_budget)
         plan = WindowPlan(
@@ -109,18 +187,21 @@ def tune(
             min_requests=min_requests,
         )
         shape = RequestShape(
-            prompt_tokens=LengthDist.parse(prompt_tokens),
-            output_tokens=LengthDist.parse(output_tokens),
-            trace=load_trace(trace) if trace else None,
+            prompt_tokens=_lengths("--prompt-tokens", prompt_tokens),
+            output_tokens=_lengths("--output-tokens", output_tokens),
+            trace=_trace(trace) if trace else None,
             model=served_model,
             seed=seed,
         )
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         raise BadInput(str(e)) from None
-    out_dir = out or Path("slotune-out") / time.strftime("%Y%m%d-%H%M%S")
+    if app_name is None:  # the built-in model: its context is known before it is deployed
+        _fits_context(shape, model, prompt_tokens, output_tokens, trace)
+    if study is not None:
+        study_storage("--study", study, must_exist=False)
+    out_dir = output_dir("--out", out or Path("slotune-out") / time.strftime("%Y%m%d-%H%M%S"))
     if study is None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        study = str(out_dir / "study.journal")
+        study = study_storage("--out", str(out_dir / "study.journal"), must_exist=False)
     max_slots = max_slots or DEFAULT_MAX_SLOTS[model]
     price_per_hour, price_source = _price(price_per_hour, embedded=address is None and not app_name)
     started = time.monotonic()

@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_LEN = 512
 
 
+def slot_context(config: ModelConfig, max_len: int | None = None) -> int:
+    """Tokens one KV slot holds, prompt plus output: ``max_len``, else the engine's default."""
+    return max_len or min(config.max_position, DEFAULT_MAX_LEN)
+
+
 def configure_threads(num_threads: int | None) -> int:
     """Set torch's intra-op threads (None: keep the process's setting); returns the count."""
     if num_threads is not None and (
@@ -130,7 +135,7 @@ class Engine:
         # Kernels first: where their small GEMM serves a linear, prepack makes no fp32 copy.
         self.cpu_kernels = self.model.use_cpu_kernels(cpu_kernels)
         self.prepacked = self.model.prepack(prepack)
-        max_len = max_len or min(self.config.max_position, DEFAULT_MAX_LEN)
+        max_len = slot_context(self.config, max_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_slots=max_slots,
