@@ -165,6 +165,8 @@ def tune(
         raise BadInput(f"--model {model}: choose one of {', '.join(MODELS)}")
     if metrics_url and prometheus_url:
         raise BadInput("--metrics-url and --prometheus-url: give one, not both")
+    if deployment is not None and app_name is None:
+        raise BadInput(f"--deployment {deployment}: names a deployment within --app; give --app")
     for flag, value in (
         ("--url", url),
         ("--metrics-url", metrics_url),

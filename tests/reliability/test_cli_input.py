@@ -214,6 +214,7 @@ VALUE_CASES = [
     (["tune", "--url", "http://127.0.0.1:99999"], "--url http://127.0.0.1:99999"),
     (["tune", "--metrics-url", "ftp://x/metrics"], "--metrics-url ftp://x/metrics"),
     (["tune", "--prometheus-url", "localhost:9090"], "--prometheus-url localhost:9090"),
+    (["tune", "--deployment", "LLM"], "--deployment LLM: names a deployment within --app"),
     (["tune", "--max-slots", "0"], "--max-slots 0"),
     (["tune", "--max-slots", "-3"], "--max-slots -3"),
     (["tune", "--seed", "-1"], "--seed -1"),
