@@ -19,6 +19,8 @@ from metrics.errors import MetricsError
 from metrics.observation import DEFAULT_SLO, Observation
 from metrics.sources import PromQLSource, ScrapeSource
 
+MAX_WINDOW_S = 86_400.0  # one day: a longer wait is a typo, not a window
+
 
 def _selector(pairs: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
@@ -97,8 +99,10 @@ def observe(
         slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
         http_url("URL", url)
         sel = _selector(selector)
-        if not (math.isfinite(window_s) and window_s > 0):
-            raise typer.BadParameter(f"--window {window_s!r}: must be a positive number")
+        if not (math.isfinite(window_s) and 0 < window_s <= MAX_WINDOW_S):
+            raise typer.BadParameter(
+                f"--window {window_s!r}: must be a number of seconds in (0, {MAX_WINDOW_S:g}]"
+            )
         if promql:
             src = PromQLSource(
                 url, slo=slo, prefix="ray_" if prefix is None else prefix, selector=sel
