@@ -8,6 +8,7 @@ file, and no test may see that marker. A cache directory others can write is ref
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -70,9 +71,10 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: Path) -> It
     monkeypatch.setattr(ck, "_compile", compile_by_copy)
     monkeypatch.setenv("SLOTUNE_KERNEL_CACHE", str(d))
     monkeypatch.delenv(ck.ENV_SWITCH, raising=False)
-    ck.load.cache_clear()
+    # A fresh memo of load() for the test; the original (and the kernels it already loaded,
+    # which other test modules hold) comes back untouched at teardown.
+    monkeypatch.setattr(ck, "load", functools.lru_cache(maxsize=1)(ck.load.__wrapped__))
     yield d
-    ck.load.cache_clear()  # later tests load from the user's own cache again
 
 
 def target_in(directory: Path) -> Path:
