@@ -25,6 +25,9 @@ QUEUE_WAIT_SECONDS = "slotune_queue_wait_seconds"
 REQUESTS_TOTAL = "slotune_requests_total"  # completed requests, label slo_met
 GENERATED_TOKENS_TOTAL = "slotune_generated_tokens_total"
 REJECTED_TOTAL = "slotune_rejected_requests_total"  # label reason
+# Admitted requests that did not complete (the client left, or the engine failed), label
+# reason; what they did get (first token, tokens) is in the TTFT histogram and the tokens.
+ABORTED_TOTAL = "slotune_aborted_requests_total"
 
 # Gauges.
 RUNNING_REQUESTS = "slotune_running_requests"
@@ -50,7 +53,7 @@ LABEL_SLO = "slo"  # "ttft" | "tpot"
 LABEL_VERDICT = "verdict"  # a metrics.observation.Verdict value
 
 HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS)
-COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL)
+COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL, ABORTED_TOTAL)
 GAUGES = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_CACHE_USAGE_RATIO, MAX_BATCH_SIZE)
 
 # Neighbouring bucket bounds are at most this ratio apart everywhere in range...

@@ -19,10 +19,16 @@ from metrics.observation import DEFAULT_SLO, Slo
 logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "CompletionServer"
-# Ray Serve admission defaults of the deployment: requests a replica runs at once (its
-# batch and its queue), and requests the proxy holds before it answers 503.
+# Admission defaults of the deployment: requests a replica lets into its engine at once
+# (its batch and the engine's queue), and requests it queues beyond those before it
+# answers 429 (serving/app/admission.py).
 DEFAULT_MAX_ONGOING_REQUESTS = 16
 DEFAULT_MAX_QUEUED_REQUESTS = 64
+# The default body-size limit: a JSON body for a full context. A token of a real
+# vocabulary is rarely over 16 bytes of UTF-8, and JSON escaping (``\uXXXX``) can write
+# one byte as six: 128 bytes a token bounds both, with room for the other fields.
+BODY_BYTES_PER_TOKEN = 128
+MIN_MAX_REQUEST_BYTES = 1 << 20
 MODEL_PRESETS = ("tiny", "small")
 DEVICES = ("cpu", "cuda")
 OMP_WAIT_POLICIES = ("passive", "active")
@@ -83,6 +89,9 @@ class ServerArgs:
     # no budget, always the full interval.
     stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S
     stream_events_per_s: float = DEFAULT_STREAM_EVENTS_PER_S
+    # Largest request body read (413 beyond, from Content-Length before reading). None:
+    # BODY_BYTES_PER_TOKEN per token of context, at least MIN_MAX_REQUEST_BYTES.
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS:
@@ -103,9 +112,18 @@ class ServerArgs:
             raise ValueError(f"stream_events_per_s={e!r}: must be a number >= 0 (0: no budget)")
         if not _is_int(self.torch_threads) or self.torch_threads < 1:
             raise ValueError(f"torch_threads={self.torch_threads!r}: must be a positive integer")
+        b = self.max_request_bytes
+        if b is not None and (not _is_int(b) or b < 1024):
+            raise ValueError(f"max_request_bytes={b!r}: must be an integer >= 1024 or None")
         p = self.omp_wait_policy
         if p is not None and p not in OMP_WAIT_POLICIES:
             raise ValueError(f"omp_wait_policy={p!r}: must be one of {OMP_WAIT_POLICIES} or None")
+
+    def request_bytes_limit(self, context: int) -> int:
+        """The body-size limit for a replica whose slots hold ``context`` tokens."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return max(MIN_MAX_REQUEST_BYTES, BODY_BYTES_PER_TOKEN * context)
 
     @property
     def served_name(self) -> str:
@@ -131,9 +149,13 @@ class LiveConfig:
     ``max_batch_size`` is the decode batch limit (at most the replica's
     ``ServerArgs.max_slots``: :meth:`check_fits`); ``ttft_p99_s``/``tpot_p99_s`` are the
     SLO the replica's ``slo_met`` counter judges by (:attr:`slo`).
-    ``max_ongoing_requests`` mirrors the deployment option of the same name (Ray
-    applies that one itself); carrying it here makes ``reconfigure`` run when it
-    changes, so the replica can confirm the update (serving/app/deploy.py waits on it).
+    ``max_ongoing_requests`` is the admission limit: requests the replica lets into its
+    engine at once; ``max_queued_requests`` more may wait in the replica, and any beyond
+    get a 429 at once (serving/app/admission.py). With a bounded queue, the deployment's
+    own Serve option ``max_ongoing_requests`` is set above their sum
+    (serving/app/deploy.py ``app_config``), so the replica, not Serve's proxy, decides.
+    Carrying them here makes ``reconfigure`` run when they change, so the replica can
+    confirm the update (serving/app/deploy.py waits on it).
     ``version`` is a nonce that makes each update distinguishable.
     """
 
@@ -141,6 +163,9 @@ class LiveConfig:
     ttft_p99_s: float = DEFAULT_SLO.ttft_p99_s
     tpot_p99_s: float = DEFAULT_SLO.tpot_p99_s
     max_ongoing_requests: int | None = None
+    # Requests the replica queues beyond max_ongoing_requests before it answers 429
+    # (serving/app/admission.py); None: Serve's router queues them, unbounded.
+    max_queued_requests: int | None = None
     version: str = ""
 
     def __post_init__(self) -> None:
@@ -150,6 +175,9 @@ class LiveConfig:
         m = self.max_ongoing_requests
         if m is not None and (not _is_int(m) or m < 1):
             raise ValueError(f"max_ongoing_requests={m!r}: must be a positive integer")
+        q = self.max_queued_requests
+        if q is not None and (not _is_int(q) or q < 0):
+            raise ValueError(f"max_queued_requests={q!r}: must be an integer >= 0 or None")
 
     @property
     def slo(self) -> Slo:

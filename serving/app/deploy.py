@@ -114,6 +114,14 @@ def app_config(
     live.check_fits(args)
     if live.max_ongoing_requests is None:
         live = replace(live, max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
+    limit = live.max_ongoing_requests
+    assert limit is not None
+    if max_queued_requests == -1:  # unbounded: Serve's router queues, the replica admits
+        live = replace(live, max_queued_requests=None)
+        serve_ongoing = limit
+    else:  # bounded: the replica queues and refuses; Serve only hands requests over
+        live = replace(live, max_queued_requests=max_queued_requests)
+        serve_ongoing = limit + max_queued_requests + refusal_margin(limit)
     return {
         "name": name,
         "route_prefix": route_prefix,
@@ -124,12 +132,19 @@ def app_config(
             {
                 "name": DEPLOYMENT_NAME,
                 "num_replicas": num_replicas,
-                "max_ongoing_requests": live.max_ongoing_requests,
-                "max_queued_requests": max_queued_requests,
+                "max_ongoing_requests": serve_ongoing,
+                "max_queued_requests": -1,
                 "user_config": live.to_user_config(),
             }
         ],
     }
+
+
+def refusal_margin(limit: int) -> int:
+    """Places Serve may hand a replica beyond its admission limit and queue, so that a
+    burst the replica must refuse reaches it (and gets its JSON 429) rather than wait in
+    Serve's router: at least 8, and the limit itself for large limits."""
+    return max(8, limit)
 
 
 def deploy_app(
@@ -205,7 +220,7 @@ def update_knobs(
         args=ServerArgs.from_args(cfg.get("args")),
         live=live,
         max_queued_requests=(
-            dep.get("max_queued_requests", -1)
+            (-1 if old.max_queued_requests is None else old.max_queued_requests)
             if max_queued_requests is None
             else max_queued_requests
         ),

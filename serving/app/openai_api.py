@@ -86,7 +86,7 @@ class CompletionRequest:
             raise ApiError("prompt is an empty token list: give at least one id", param="prompt")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ApiError(
-                f"max_tokens={self.max_tokens!r}: must be a positive integer",
+                f"max_tokens={_short(self.max_tokens)}: must be a positive integer",
                 param="max_tokens",
             )
         if self.max_tokens < 1:
@@ -97,7 +97,7 @@ class CompletionRequest:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise ApiError(
-                f"temperature={t!r}: must be a number in [0, {MAX_TEMPERATURE}]",
+                f"temperature={_short(t)}: must be a number in [0, {MAX_TEMPERATURE}]",
                 param="temperature",
             )
         if not 0.0 <= t <= MAX_TEMPERATURE:
@@ -113,14 +113,14 @@ def parse_completion_request(body: object, *, served_model: str) -> CompletionRe
     unknown = sorted(set(body) - ALLOWED_FIELDS)
     if unknown:
         raise ApiError(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"unknown field(s) {', '.join(map(_short, unknown[:5]))}; "
             f"allowed: {', '.join(sorted(ALLOWED_FIELDS))}",
-            param=unknown[0],
+            param=unknown[0][:60],
         )
     model = body.get("model", served_model)
     if model != served_model:
         raise ApiError(
-            f"model {model!r} is not served here; this server serves {served_model!r}",
+            f"model {_short(model)} is not served here; this server serves {served_model!r}",
             status=404,
             param="model",
             code="model_not_found",
@@ -129,24 +129,33 @@ def parse_completion_request(body: object, *, served_model: str) -> CompletionRe
         raise ApiError("prompt is required", param="prompt")
     n = body.get("n", 1)
     if n != 1 or isinstance(n, bool):
-        raise ApiError(f"n={n!r}: only n=1 is supported", param="n")
+        raise ApiError(f"n={_short(n)}: only n=1 is supported", param="n")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise ApiError(f"stream={stream!r}: must be true or false", param="stream")
+        raise ApiError(f"stream={_short(stream)}: must be true or false", param="stream")
     include_usage = False
     opts = body.get("stream_options")
     if opts is not None:
+        if not stream:  # as OpenAI: the options of a stream need a stream
+            raise ApiError(
+                "stream_options is only allowed with stream: true", param="stream_options"
+            )
         if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
             raise ApiError(
-                f"stream_options={opts!r}: only {{'include_usage': bool}} is supported",
+                f"stream_options={_short(opts)}: only {{'include_usage': bool}} is supported",
                 param="stream_options",
             )
-        include_usage = bool(opts.get("include_usage", False))
+        include_usage = opts.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise ApiError(
+                f"stream_options.include_usage={_short(include_usage)}: must be true or false",
+                param="stream_options.include_usage",
+            )
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise ApiError(f"user={user!r}: must be a string", param="user")
+        raise ApiError(f"user={_short(user)}: must be a string", param="user")
     max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -165,19 +174,61 @@ def parse_completion_request(body: object, *, served_model: str) -> CompletionRe
 
 
 def _parse_prompt(prompt: object) -> str | tuple[int, ...]:
+    """Text, token ids, or a batch of one of either (``["text"]``, ``[[ids]]``)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return prompt[0]  # a batch of one prompt
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return tuple(prompt)
-        if len(prompt) == 1 and isinstance(prompt[0], list):
-            return _parse_prompt(prompt[0])
+        return _text(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return tuple(prompt)
     raise ApiError(
         "prompt must be a string or a list of token ids (one prompt per request)",
         param="prompt",
     )
+
+
+def _text(prompt: str) -> str:
+    """The prompt, if it is Unicode text: JSON's ``\\ud800`` escapes can smuggle in a lone
+    surrogate, which no UTF-8 tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(
+            f"prompt: not valid Unicode text (a lone surrogate {prompt[e.start]!r} at "
+            f"character {e.start})",
+            param="prompt",
+        ) from None
+    return prompt
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """``repr`` of a client's value, cut to ``limit`` characters for an error message."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def parse_json_body(raw: bytes) -> object:
+    """Decode a request body as JSON; every way it can fail is an :class:`ApiError` (400).
+
+    Bytes that are not UTF-8, malformed JSON, ``NaN``/``Infinity`` literals (not JSON),
+    numbers Python will not convert, and nesting deeper than the parser's recursion
+    limit each get a message, never an exception a server would turn into a 500."""
+
+    def no_constants(name: str) -> object:
+        raise ValueError(f"{name} is not a JSON value")
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"request body is not UTF-8 (byte {e.start}): send JSON text") from None
+    try:
+        return json.loads(text, parse_constant=no_constants)
+    except RecursionError:
+        raise ApiError("request body is nested too deeply to be a completion request") from None
+    except ValueError as e:  # JSONDecodeError, int conversion limits, parse_constant
+        raise ApiError(f"request body is not valid JSON: {_short(str(e), 200)}") from None
 
 
 def new_completion_id() -> str:

@@ -126,6 +126,11 @@ class ServeMetrics:
             description="Requests refused by the replica, by reason.",
             tag_keys=(names.LABEL_REASON,),
         )
+        self.aborted = m.Counter(
+            names.ABORTED_TOTAL,
+            description="Admitted requests that did not complete, by reason.",
+            tag_keys=(names.LABEL_REASON,),
+        )
         self.running = m.Gauge(names.RUNNING_REQUESTS, description="Requests in the batch.")
         self.waiting = m.Gauge(names.WAITING_REQUESTS, description="Requests queued.")
         self.kv_usage = m.Gauge(
@@ -150,6 +155,17 @@ class ServeMetrics:
         self.requests.inc(1, tags={names.LABEL_SLO_MET: "true" if met else "false"})
         if timing.generated_tokens > 0:
             self.tokens.inc(timing.generated_tokens)
+
+    def record_aborted(self, *, reason: str, ttft_s: float | None, generated_tokens: int) -> None:
+        """An admitted request that ended early (``reason``: client_disconnect, error): its
+        first token, if it had one, counts in TTFT and its tokens in the token counter, so
+        a window's latency and throughput do not leave out the requests clients gave up on;
+        it is not a completed request (no ``slo_met`` count, no goodput)."""
+        if _finite(ttft_s):
+            self.ttft.observe(max(ttft_s, 0.0))  # type: ignore[arg-type]
+        if generated_tokens > 0:
+            self.tokens.inc(generated_tokens)
+        self.aborted.inc(1, tags={names.LABEL_REASON: reason})
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.inc(1, tags={names.LABEL_REASON: reason})

@@ -15,9 +15,13 @@ Routes (relative to the route prefix):
 - ``GET /stats``: engine stats, pid, the applied live config, and what the process
   runs with (torch threads, OMP_WAIT_POLICY, the engine thread's niceness) (JSON).
 
-Bad input is a 400 with an OpenAI-style JSON error body. Admission control is
-Ray Serve's: ``max_ongoing_requests`` per replica, and beyond
-``max_queued_requests`` the proxy answers 503 (retryable).
+Every bad request is a 4xx with an OpenAI-style JSON error body, decided cheaply: a
+body over the size limit is a 413 from its ``Content-Length`` (or as soon as it has
+streamed past the limit) before it is read; a prompt too long for the context by its
+character count is refused before it is tokenized; large prompts are tokenized off the
+event loop. Admission is the replica's (serving/app/admission.py): the live
+``max_ongoing_requests`` in the engine, ``max_queued_requests`` waiting, and beyond
+that a 429 with ``Retry-After`` at once.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.app import openai_api as oa
+from serving.app.admission import Admission, Overloaded, Ticket
 from serving.app.config import (
     DEFAULT_MAX_ONGOING_REQUESTS,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -52,8 +57,16 @@ from serving.app.serve_metrics import GaugeRefresher, ServeMetrics
 logger = logging.getLogger(__name__)
 
 
-def _json_error(e: oa.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+# Prompts of more characters than this are tokenized in a worker thread, not on the loop
+# that streams every other request's tokens.
+TOKENIZE_INLINE_CHARS = 4096
+# A prompt of more characters than (context x the tokenizer's longest token x this) is too
+# long whatever normalization removes: refused without tokenizing it.
+PROMPT_CHARS_SLACK = 4
+
+
+def _json_error(e: oa.ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 @serve.deployment(
@@ -92,6 +105,10 @@ class CompletionServer:
         )
         self.engine.on_finish = self._on_finish
         self.tokenizer = self.engine.tokenizer
+        context = self.engine.engine.scheduler.config.max_len
+        self.max_request_bytes = self.args.request_bytes_limit(context)
+        self.max_prompt_chars = context * self.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
+        self.admission = Admission()
         eos = getattr(self.tokenizer, "eos_id", None)
         self.stop_ids: tuple[int, ...] = () if eos is None else (eos,)
         self.engine.start()
@@ -117,6 +134,7 @@ class CompletionServer:
         live = LiveConfig.from_user_config(user_config)
         live.check_fits(self.args)
         self.engine.set_max_batch_size(live.max_batch_size)
+        self.admission.set_limits(limit=live.max_ongoing_requests, queue=live.max_queued_requests)
         self.live = live
         self.metrics.set_slo(live.slo)
         self._publish()
@@ -126,23 +144,26 @@ class CompletionServer:
         """Record what this replica applied where serving/app/deploy.py can read it."""
         from ray.experimental import internal_kv
 
-        state = self.state()
-        # Inside reconfigure Ray has applied the new deployment config but not yet
-        # refreshed the replica context: report the mirror carried in user_config.
-        if self.live.max_ongoing_requests is not None:
-            state["max_ongoing_requests"] = self.live.max_ongoing_requests
+        state = self.state()  # the live config's limit: Ray's context lags inside reconfigure
         internal_kv._internal_kv_put(
             self._kv_key, json.dumps(state).encode(), namespace=KV_NAMESPACE
         )
 
     def state(self) -> dict[str, Any]:
-        """Pid, applied live config and Ray's current ``max_ongoing_requests``."""
+        """Pid, applied live config, and the admission limit in force: the live config's
+        (the replica admits), else Ray's ``max_ongoing_requests`` (Serve admits)."""
         ctx = serve.get_replica_context()
+        limit = self.live.max_ongoing_requests
         return {
             "pid": self.pid,
             "replica": ctx.replica_tag,
             "live": self.live.to_user_config(),
-            "max_ongoing_requests": ctx._deployment_config.max_ongoing_requests,
+            "max_ongoing_requests": (
+                ctx._deployment_config.max_ongoing_requests if limit is None else limit
+            ),
+            "max_queued_requests": self.live.max_queued_requests,
+            "admitted": self.admission.running,
+            "queued": self.admission.waiting,
             "args": self.args.to_args(),
         }
 
@@ -226,28 +247,70 @@ class CompletionServer:
 
     async def _completions(self, request: Request) -> Response:
         try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as e:
-                raise oa.ApiError(f"request body is not valid JSON: {e}") from None
+            raw = await self._read_body(request)
+            body = oa.parse_json_body(raw)
+            del raw
             req = oa.parse_completion_request(body, served_model=self.args.served_name)
-            if isinstance(req.prompt, str):
-                prompt_ids = list(self.tokenizer.encode(req.prompt))
-            else:
-                prompt_ids = list(req.prompt)
+            prompt_ids = await self._prompt_ids(req)
             try:
                 self.engine.validate(prompt_ids, req.max_tokens)
             except ValueError as e:
                 raise oa.ApiError(str(e), param="prompt") from None
         except oa.ApiError as e:
-            self.metrics.record_rejected("bad_request")
+            self.metrics.record_rejected("bad_request" if e.status != 413 else "too_large")
             return _json_error(e)
+        try:
+            ticket = await self.admission.acquire()
+        except Overloaded as e:
+            self.metrics.record_rejected("overloaded")
+            err = oa.ApiError(str(e), status=429, type="server_overloaded", code="overloaded")
+            return _json_error(err, headers={"Retry-After": str(e.retry_after_s)})
         cid = oa.new_completion_id()
         if req.stream:
             return StreamingResponse(
-                self._stream(req, prompt_ids, cid), media_type=oa.SSE_MEDIA_TYPE
+                self._stream(req, prompt_ids, cid, ticket), media_type=oa.SSE_MEDIA_TYPE
             )
-        return await self._complete(req, prompt_ids, cid)
+        try:
+            return await self._complete(req, prompt_ids, cid)
+        finally:
+            ticket.release()
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) past ``max_request_bytes`` before it is read: from its
+        ``Content-Length``, or as soon as a chunked upload streams past the limit."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise oa.ApiError(f"Content-Length {declared[:40]!r}: not a byte count")
+            if int(declared) > limit:
+                raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _prompt_ids(self, req: oa.CompletionRequest) -> list[int]:
+        """Token ids of the prompt; a text too long for the context by its length alone is
+        refused untokenized, and a long one is tokenized in a worker thread."""
+        if not isinstance(req.prompt, str):
+            return list(req.prompt)
+        n = len(req.prompt)
+        if n > self.max_prompt_chars:
+            raise oa.ApiError(
+                f"prompt: {n} characters cannot fit the context of "
+                f"{self.engine.engine.scheduler.config.max_len} tokens",
+                param="prompt",
+            )
+        try:
+            if n <= TOKENIZE_INLINE_CHARS:
+                return list(self.tokenizer.encode(req.prompt))
+            return list(await asyncio.to_thread(self.tokenizer.encode, req.prompt))
+        except (ValueError, TypeError) as e:  # UnicodeError is a ValueError
+            raise oa.ApiError(f"prompt: cannot be tokenized ({e})", param="prompt") from None
 
     def _generate(
         self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, *, flush_interval_s: float
@@ -271,9 +334,15 @@ class CompletionServer:
         # and frees its KV slot at once. Nothing is sent before the end: the engine
         # thread holds the tokens (inf) and wakes this handler only to finish.
         gen = self._generate(req, prompt_ids, cid, flush_interval_s=math.inf)
-        async with contextlib.aclosing(gen) as chunks:
-            async for chunk in chunks:
-                ids += chunk
+        t0, first = time.monotonic(), None
+        try:
+            async with contextlib.aclosing(gen) as chunks:
+                async for chunk in chunks:
+                    first = first or time.monotonic()
+                    ids += chunk
+        except BaseException as e:
+            self._record_aborted(e, t0, first, len(ids))
+            raise
         body = oa.completion_body(
             completion_id=cid,
             model=self.args.served_name,
@@ -284,18 +353,43 @@ class CompletionServer:
         )
         return JSONResponse(body)
 
+    def _record_aborted(
+        self, e: BaseException, t0: float, first: float | None, tokens: int
+    ) -> None:
+        """A request that ended before completing: counted with what it got (the engine
+        reports only requests that finish)."""
+        reason = (
+            "client_disconnect"
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit))
+            else "error"
+        )
+        ttft = None if first is None else first - t0
+        try:
+            self.metrics.record_aborted(reason=reason, ttft_s=ttft, generated_tokens=tokens)
+        except Exception:
+            logger.exception("could not record the aborted request")
+
     async def _stream(
-        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, ticket: Ticket
     ) -> AsyncIterator[bytes]:
         # aclosing: a cancelled request (client gone) aborts the engine request
         # and frees its KV slot at once. The engine thread paces the stream (one
         # hand-over per stream_interval_s after the first token), so every chunk
         # that reaches this handler goes out as one event.
         gen = self._generate(req, prompt_ids, cid, flush_interval_s=self.args.stream_interval_s)
-        async with contextlib.aclosing(gen) as chunks:
-            try:
+        t0, first, count = time.monotonic(), None, [0]
+
+        async def counted(chunks: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
+            nonlocal first
+            async for chunk in chunks:
+                first = first or time.monotonic()
+                count[0] += len(chunk)
+                yield chunk
+
+        try:
+            async with contextlib.aclosing(gen) as chunks:
                 async for event in oa.sse_completion_stream(
-                    chunks,
+                    counted(chunks),
                     decode=self.tokenizer.decode,
                     completion_id=cid,
                     model=self.args.served_name,
@@ -308,9 +402,21 @@ class CompletionServer:
                     on_incomplete=lambda: self.engine.flush_next(cid),
                 ):
                     yield event
-            except asyncio.CancelledError:
+        except BaseException as e:
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 logger.info("request %s cancelled (client gone)", cid)
-                raise
+            self._record_aborted(e, t0, first, count[0])
+            raise
+        finally:
+            ticket.release()
+
+
+def _too_large(size: int, limit: int) -> oa.ApiError:
+    return oa.ApiError(
+        f"request body of {size} bytes is over this server's limit of {limit} bytes",
+        status=413,
+        code="request_too_large",
+    )
 
 
 def app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 class Tokenizer(Protocol):
     vocab_size: int
+    max_token_chars: int  # characters of text one token covers, at most
     bos_id: int | None
     eos_id: int | None
 
@@ -41,6 +42,7 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.bos_id: int | None = self.BOS
         self.eos_id: int | None = self.EOS
+        self.max_token_chars = 1  # a token is one byte, a character at least one
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -66,6 +68,10 @@ class HFTokenizer:
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = bos_id, eos_id
+        # the longest token, in characters of its vocabulary string (a byte-level BPE
+        # writes one character per byte): a text of N characters is at least
+        # N / max_token_chars tokens, up to what normalization removes
+        self.max_token_chars = max((len(t) for t in self._tok.get_vocab(True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids  # with the post-processor (e.g. Llama BOS)

@@ -38,7 +38,7 @@ def test_parse_defaults_follow_openai() -> None:
     r = parse(prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True, n=1)
     assert (r.prompt, r.max_tokens, r.temperature, r.stream) == ((1, 2, 3), 5, 0, True)
     assert parse(prompt=["one"]).prompt == "one"
-    assert parse(prompt="x", stream_options={"include_usage": True}).include_usage
+    assert parse(prompt="x", stream=True, stream_options={"include_usage": True}).include_usage
 
 
 @pytest.mark.parametrize(
