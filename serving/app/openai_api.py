@@ -59,8 +59,15 @@ def error_body(
     type: str = "invalid_request_error",
     code: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON error object OpenAI clients parse (``error.message`` and friends)."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """The JSON error object OpenAI clients parse (``error.message`` and friends). Text
+    echoed from the client is made encodable (a lone surrogate becomes ``\\ud800``), so
+    the error itself can always be sent as UTF-8."""
+    msg, par = _utf8(message), None if param is None else _utf8(param)
+    return {"error": {"message": msg, "type": type, "param": par, "code": code}}
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True, kw_only=True)
