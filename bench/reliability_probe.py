@@ -10,7 +10,8 @@ auth, serving.app.cluster.start_local_ray), over loopback only, bounded in count
    queue of 2. Every request is either completed or refused at once with a JSON body and
    ``Retry-After``; none is lost (accepted, then cut off or never answered).
 3. **Disconnects**: ``--disconnects`` streams closed by the client after their first token;
-   the server's request counter must count every one of them.
+   the server must account for every one of them (completed, if it finished first, or
+   aborted: ``slotune_requests_total`` + ``slotune_aborted_requests_total``).
 
 Prints a table and one JSON line last: ``bad_inputs``/``bad_handled``, ``overload_*``,
 ``disconnects``/``disconnects_counted``, ``lost``.
@@ -254,12 +255,13 @@ async def one_stream(client: Any, url: str, *, cut_after_first: bool = False) ->
 
 
 def requests_counted(metrics_url: str) -> float:
-    """Sum of the server's request counter over every label (Ray's export port)."""
+    """Requests the server accounted for, completed or aborted, over every label (Ray's
+    export port): slotune_requests_total + slotune_aborted_requests_total."""
     import httpx
 
     total = 0.0
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("ray_slotune_requests_total{"):
+        if line.startswith(("ray_slotune_requests_total{", "ray_slotune_aborted_requests_total{")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
