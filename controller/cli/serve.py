@@ -37,7 +37,7 @@ def serve(
     max_batch_size: int = typer.Option(8, help="Decode batch limit (live knob)."),
     max_ongoing_requests: int = typer.Option(16, help="Admission limit per replica (live)."),
     max_queued_requests: int = typer.Option(
-        64, help="Requests queued beyond the admission limit before a 503 (-1: unbounded)."
+        64, help="Requests queued beyond the admission limit before a 429 (-1: unbounded)."
     ),
     max_slots: int = typer.Option(64, help="KV-cache slots (the largest possible batch)."),
     slo_ttft_ms: float = typer.Option(
