@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -31,22 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 APP = "abuse"
 BIG = 16 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def attacker(url: str, stop: mp.Event, counts: mp.Queue, mb_s: float) -> None:  # type: ignore[type-arg]
@@ -118,12 +100,13 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serving.app.cluster import start_local_ray
+    from search.calibrate.device import cpu_model_name
+    from serving.app.cluster import free_loopback_port, start_local_ray
     from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import deploy_app
 
-    port = free_port()
-    start_local_ray(num_cpus=2, metrics_port=free_port(), http_port=port)
+    port = free_loopback_port()
+    start_local_ray(num_cpus=2, metrics_port=free_loopback_port(), http_port=port)
     try:
         deploy_app(
             ServerArgs(model="tiny", max_slots=8),
@@ -164,7 +147,7 @@ def main() -> None:
     }
     pace = f"{a.upload_mb_s:g} MB/s each" if a.upload_mb_s > 0 else "unpaced"
     print(
-        f"abuse bench, tiny model, CPU: {cpu_model()}; victim: {a.requests} requests a phase; "
+        f"abuse bench, tiny model, CPU: {cpu_model_name()}; victim: {a.requests} requests a phase; "
         f"attackers upload {pace}"
     )
     print(f"{'phase':<24} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
@@ -181,7 +164,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "abuse",
-                "cpu": cpu_model(),
+                "cpu": cpu_model_name(),
                 "requests_per_phase": a.requests,
                 "attackers": a.attackers,
                 "upload_mb_s": a.upload_mb_s,

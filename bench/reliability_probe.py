@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -36,22 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 APP = "probe"
 REF = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def bad_inputs() -> list[tuple[str, str, str, dict[str, str], bytes]]:
@@ -342,11 +324,12 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serving.app.cluster import start_local_ray
+    from search.calibrate.device import cpu_model_name
+    from serving.app.cluster import free_loopback_port, start_local_ray
     from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import deploy_app
 
-    port, mport = free_port(), free_port()
+    port, mport = free_loopback_port(), free_loopback_port()
     start_local_ray(num_cpus=2, metrics_port=mport, http_port=port)
     try:
         deploy_app(
@@ -363,7 +346,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     bad = res.pop("bad")
-    print(f"reliability probe, tiny model, CPU: {cpu_model()}")
+    print(f"reliability probe, tiny model, CPU: {cpu_model_name()}")
     print(f"{'case':<32} {'status':>6} {'json':>5} {'s':>7}")
     for r in bad:
         print(f"{r['case']:<32} {r['status']:>6} {str(r['json_error']):>5} {r['s']:>7.3f}")
@@ -377,7 +360,7 @@ def main() -> None:
     lost = (res["overload_accepted"] - res["overload_completed"]) + res["overload_other"]
     out = {
         "bench": "reliability_probe",
-        "cpu": cpu_model(),
+        "cpu": cpu_model_name(),
         "bad_inputs": len(bad),
         "bad_handled": handled,
         "bad_json_error": sum(r["json_error"] for r in bad),

@@ -32,7 +32,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -155,12 +154,6 @@ def proxy_pid() -> int:
     return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", choices=("tiny", "small"))
@@ -189,7 +182,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serving.app.cluster import start_local_ray
+    from serving.app.cluster import free_loopback_port, start_local_ray
     from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import delete_app, deploy_app, replica_pids
     from serving.engine.async_engine import AsyncEngine
@@ -206,8 +199,8 @@ def main() -> None:
     eos = getattr(engine.tokenizer, "eos_id", None)
     stop_ids = () if eos is None else (eos,)
 
-    port = free_port()
-    start_local_ray(num_cpus=2, metrics_port=free_port(), http_port=port)
+    port = free_loopback_port()
+    start_local_ray(num_cpus=2, metrics_port=free_loopback_port(), http_port=port)
     # One app per stream interval: the first is the headline (--stream-interval, or the
     # app's default), the others (--also-interval) are timed in the same rounds.
     intervals: list[float | None] = [a.stream_interval, *a.also_interval]

@@ -27,12 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True, kw_only=True)
 class Setup:
     """Where the deployment is and how to read it (what the run attached to or started)."""
@@ -48,9 +42,10 @@ class Setup:
 def start_local_ray() -> tuple[int, int]:
     """A new Ray + Serve on this machine, loopback only, token auth on (a private token);
     returns (metrics port, HTTP port). Never attaches to a running or stale cluster."""
+    from serving.app.cluster import free_loopback_port
     from serving.app.cluster import start_local_ray as start
 
-    metrics_port, http_port = _free_port(), _free_port()
+    metrics_port, http_port = free_loopback_port(), free_loopback_port()
     start(num_cpus=os.cpu_count() or 2, metrics_port=metrics_port, http_port=http_port)
     return metrics_port, http_port
 

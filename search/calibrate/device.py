@@ -85,19 +85,20 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name as the kernel reports it (``/proc/cpuinfo``), e.g. ``AMD EPYC``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_label(dev: torch.device) -> str:
     """A short name for the device, e.g. ``cpu-amd-epyc`` or ``cuda-nvidia-h100-80gb-hbm3``."""
-    if dev.type == "cuda":
-        raw = torch.cuda.get_device_name(dev)
-    else:
-        raw = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    raw = line.split(":", 1)[1]
-                    break
-        except OSError:
-            pass
+    raw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model_name()
     slug = re.sub(r"[^a-z0-9]+", "-", raw.lower()).strip("-")
     return f"{dev.type}-{slug}"[:60]
 

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -145,6 +146,13 @@ def secure_local_env() -> Path:
     path = _private_token()
     os.environ[TOKEN_PATH_ENV] = str(path)
     return path
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice), for a listener about to start."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True, kw_only=True)
