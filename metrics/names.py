@@ -24,9 +24,10 @@ QUEUE_WAIT_SECONDS = "slotune_queue_wait_seconds"
 # Counters.
 REQUESTS_TOTAL = "slotune_requests_total"  # completed requests, label slo_met
 GENERATED_TOKENS_TOTAL = "slotune_generated_tokens_total"
-REJECTED_TOTAL = "slotune_rejected_requests_total"  # label reason
-# Admitted requests that did not complete (the client left, or the engine failed), label
-# reason; what they did get (first token, tokens) is in the TTFT histogram and the tokens.
+REJECTED_TOTAL = "slotune_rejected_requests_total"  # label reason: REJECTED_REASONS
+# Accepted requests (admitted or queued in the replica) that did not complete, label reason
+# (ABORTED_REASONS); what they did get (first token, tokens) is in the TTFT histogram and
+# the tokens counter. Not completions: no slo_met count, no goodput.
 ABORTED_TOTAL = "slotune_aborted_requests_total"
 
 # Gauges.
@@ -51,6 +52,15 @@ LABEL_REASON = "reason"
 LABEL_KNOB = "knob"
 LABEL_SLO = "slo"  # "ttft" | "tpot"
 LABEL_VERDICT = "verdict"  # a metrics.observation.Verdict value
+
+# Values of LABEL_REASON.
+REASON_BAD_REQUEST = "bad_request"  # a 4xx other than 413 and 429
+REASON_TOO_LARGE = "too_large"  # 413: the body is over the size limit
+REASON_OVERLOADED = "overloaded"  # 429: the admission limit and the queue are full
+REASON_CLIENT_DISCONNECT = "client_disconnect"  # the client left before the end
+REASON_ERROR = "error"  # the server failed the request
+REJECTED_REASONS = (REASON_BAD_REQUEST, REASON_TOO_LARGE, REASON_OVERLOADED)
+ABORTED_REASONS = (REASON_CLIENT_DISCONNECT, REASON_ERROR)
 
 HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS)
 COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL, ABORTED_TOTAL)

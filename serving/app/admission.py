@@ -4,9 +4,14 @@ waiting for a place (first come, first served), and anything beyond refused at o
 Ray Serve's own backpressure (``max_queued_requests``) answers from the proxy, in plain
 text, and its count is per router, so a replica behind it sees its stated limits
 overshot. Admitting here makes the limits exact for this replica and the refusal an
-OpenAI-style JSON 429 with ``Retry-After`` (serving/app/server.py). Time spent waiting
-here is before the engine's clock starts: like time in Serve's router, it is not in the
-replica's TTFT histogram (the client's own records have it).
+OpenAI-style JSON 429 with ``Retry-After`` (serving/app/server.py), and puts the time
+spent waiting here in the replica's TTFT and queue-wait histograms (time in Serve's
+router never was). Ray 2.60's Serve-level limits, for comparison: ``max_queued_requests``
+is counted by each router on its own (ray/serve/_private/router.py,
+``num_queued_requests``), so with several routers (each HTTP proxy, each handle) the
+queue a replica sees is a multiple of it; the refusal is ``BackPressureError``, whose
+message the proxy sends as plain text (ray/serve/_private/http_util.py), with the status
+and ``Retry-After`` of ``BackpressureConfig`` (ray/serve/config.py; 503 by default).
 
 A place is a :class:`Ticket`: released exactly once, by whoever finishes with the request
 (a stream's end, its cancellation) or, failing all of those, when the ticket is garbage

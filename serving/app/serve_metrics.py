@@ -128,7 +128,7 @@ class ServeMetrics:
         )
         self.aborted = m.Counter(
             names.ABORTED_TOTAL,
-            description="Admitted requests that did not complete, by reason.",
+            description="Accepted requests (admitted or queued) that did not complete, by reason.",
             tag_keys=(names.LABEL_REASON,),
         )
         self.running = m.Gauge(names.RUNNING_REQUESTS, description="Requests in the batch.")
@@ -157,10 +157,11 @@ class ServeMetrics:
             self.tokens.inc(timing.generated_tokens)
 
     def record_aborted(self, *, reason: str, ttft_s: float | None, generated_tokens: int) -> None:
-        """An admitted request that ended early (``reason``: client_disconnect, error): its
-        first token, if it had one, counts in TTFT and its tokens in the token counter, so
-        a window's latency and throughput do not leave out the requests clients gave up on;
-        it is not a completed request (no ``slo_met`` count, no goodput)."""
+        """An accepted request (admitted or queued) that ended early (``reason``: one of
+        ``names.ABORTED_REASONS``): its first token, if it had one, counts in TTFT and its
+        tokens in the token counter, so a window's latency and throughput do not leave out
+        the requests clients gave up on; it is not a completed request (no ``slo_met``
+        count, no goodput)."""
         if _finite(ttft_s):
             self.ttft.observe(max(ttft_s, 0.0))  # type: ignore[arg-type]
         if generated_tokens > 0:

@@ -21,7 +21,8 @@ streamed past the limit) before it is read; a prompt too long for the context by
 character count is refused before it is tokenized; large prompts are tokenized off the
 event loop. Admission is the replica's (serving/app/admission.py): the live
 ``max_ongoing_requests`` in the engine, ``max_queued_requests`` waiting, and beyond
-that a 429 with ``Retry-After`` at once.
+that a 429 with ``Retry-After`` at once. A request's TTFT and queue wait run from its
+arrival (its body read), so time in the admission queue is in them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from metrics import names
 from serving.app import openai_api as oa
 from serving.app.admission import Admission, Overloaded, Ticket
 from serving.app.config import (
@@ -248,6 +250,7 @@ class CompletionServer:
     async def _completions(self, request: Request) -> Response:
         try:
             raw = await self._read_body(request)
+            arrival = self.engine.engine.clock()  # the engine's clock: its TTFT starts here
             body = oa.parse_json_body(raw)
             del raw
             req = oa.parse_completion_request(body, served_model=self.args.served_name)
@@ -257,21 +260,26 @@ class CompletionServer:
             except ValueError as e:
                 raise oa.ApiError(str(e), param="prompt") from None
         except oa.ApiError as e:
-            self.metrics.record_rejected("bad_request" if e.status != 413 else "too_large")
+            self.metrics.record_rejected(
+                names.REASON_BAD_REQUEST if e.status != 413 else names.REASON_TOO_LARGE
+            )
             return _json_error(e)
         try:
             ticket = await self.admission.acquire()
         except Overloaded as e:
-            self.metrics.record_rejected("overloaded")
+            self.metrics.record_rejected(names.REASON_OVERLOADED)
             err = oa.ApiError(str(e), status=429, type="server_overloaded", code="overloaded")
             return _json_error(err, headers={"Retry-After": str(e.retry_after_s)})
+        except BaseException as e:  # the client left while queued: accepted, not completed
+            self._record_aborted(e, arrival, None, 0)
+            raise
         cid = oa.new_completion_id()
         if req.stream:
             return StreamingResponse(
-                self._stream(req, prompt_ids, cid, ticket), media_type=oa.SSE_MEDIA_TYPE
+                self._stream(req, prompt_ids, cid, ticket, arrival), media_type=oa.SSE_MEDIA_TYPE
             )
         try:
-            return await self._complete(req, prompt_ids, cid)
+            return await self._complete(req, prompt_ids, cid, arrival)
         finally:
             ticket.release()
 
@@ -313,7 +321,13 @@ class CompletionServer:
             raise oa.ApiError(f"prompt: cannot be tokenized ({e})", param="prompt") from None
 
     def _generate(
-        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, *, flush_interval_s: float
+        self,
+        req: oa.CompletionRequest,
+        prompt_ids: list[int],
+        cid: str,
+        arrival: float,
+        *,
+        flush_interval_s: float,
     ):
         """Lists of token ids as the engine thread hands them over: the first at once,
         then at most one list per ``flush_interval_s``, the end at once."""
@@ -324,24 +338,25 @@ class CompletionServer:
             request_id=cid,
             stop_ids=self.stop_ids,
             flush_interval_s=flush_interval_s,
+            arrival_s=arrival,
         )
 
     async def _complete(
-        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str
+        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, arrival: float
     ) -> Response:
         ids: list[int] = []
         # aclosing: a cancelled request (client gone) aborts the engine request
         # and frees its KV slot at once. Nothing is sent before the end: the engine
         # thread holds the tokens (inf) and wakes this handler only to finish.
-        gen = self._generate(req, prompt_ids, cid, flush_interval_s=math.inf)
-        t0, first = time.monotonic(), None
+        gen = self._generate(req, prompt_ids, cid, arrival, flush_interval_s=math.inf)
+        clock, first = self.engine.engine.clock, None
         try:
             async with contextlib.aclosing(gen) as chunks:
                 async for chunk in chunks:
-                    first = first or time.monotonic()
+                    first = first or clock()
                     ids += chunk
         except BaseException as e:
-            self._record_aborted(e, t0, first, len(ids))
+            self._record_aborted(e, arrival, first, len(ids))
             raise
         body = oa.completion_body(
             completion_id=cid,
@@ -354,35 +369,42 @@ class CompletionServer:
         return JSONResponse(body)
 
     def _record_aborted(
-        self, e: BaseException, t0: float, first: float | None, tokens: int
+        self, e: BaseException, arrival: float, first: float | None, tokens: int
     ) -> None:
-        """A request that ended before completing: counted with what it got (the engine
-        reports only requests that finish)."""
+        """A request accepted (admitted or queued) that ended before completing: counted
+        with what it got (the engine reports only requests that finish)."""
         reason = (
-            "client_disconnect"
+            names.REASON_CLIENT_DISCONNECT
             if isinstance(e, (asyncio.CancelledError, GeneratorExit))
-            else "error"
+            else names.REASON_ERROR
         )
-        ttft = None if first is None else first - t0
+        ttft = None if first is None else first - arrival
         try:
             self.metrics.record_aborted(reason=reason, ttft_s=ttft, generated_tokens=tokens)
         except Exception:
             logger.exception("could not record the aborted request")
 
     async def _stream(
-        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, ticket: Ticket
+        self,
+        req: oa.CompletionRequest,
+        prompt_ids: list[int],
+        cid: str,
+        ticket: Ticket,
+        arrival: float,
     ) -> AsyncIterator[bytes]:
         # aclosing: a cancelled request (client gone) aborts the engine request
         # and frees its KV slot at once. The engine thread paces the stream (one
         # hand-over per stream_interval_s after the first token), so every chunk
         # that reaches this handler goes out as one event.
-        gen = self._generate(req, prompt_ids, cid, flush_interval_s=self.args.stream_interval_s)
-        t0, first, count = time.monotonic(), None, [0]
+        gen = self._generate(
+            req, prompt_ids, cid, arrival, flush_interval_s=self.args.stream_interval_s
+        )
+        clock, first, count = self.engine.engine.clock, None, [0]
 
         async def counted(chunks: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
             nonlocal first
             async for chunk in chunks:
-                first = first or time.monotonic()
+                first = first or clock()
                 count[0] += len(chunk)
                 yield chunk
 
@@ -405,7 +427,7 @@ class CompletionServer:
         except BaseException as e:
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 logger.info("request %s cancelled (client gone)", cid)
-            self._record_aborted(e, t0, first, count[0])
+            self._record_aborted(e, arrival, first, count[0])
             raise
         finally:
             ticket.release()
