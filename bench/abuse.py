@@ -5,7 +5,8 @@ loopback. A "victim" client sends short completions one after another and record
 latency, in three phases of the same length: quiet, abused (three attacker processes each
 posting a 16 MB prompt again and again, so three are always in flight; each uploads at
 ``--upload-mb-s``, 12.5 MB/s by default, a client on a 100 Mbit/s link, or unpaced: as
-fast as loopback and the two shared cores go), quiet again. The
+fast as loopback and the two shared cores go; with ``--chunked`` the uploads carry no
+``Content-Length``, so the server must cut them off as they stream), quiet again. The
 figure is the victim's p99 (and p50) under abuse over the quiet phases' (their mean), measured
 in one run; the target is <= 1.5x. The attackers' answers (413 expected) are counted.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -31,9 +33,10 @@ APP = "abuse"
 BIG = 16 << 20
 
 
-def attacker(url: str, stop: mp.Event, counts: mp.Queue, mb_s: float) -> None:  # type: ignore[type-arg]
+def attacker(url: str, stop: mp.Event, counts: mp.Queue, mb_s: float, chunked: bool) -> None:  # type: ignore[type-arg]
     """Post a 16 MB prompt again and again until ``stop``; upload at ``mb_s`` MB/s (a
-    client across a network), or as fast as loopback goes when 0."""
+    client across a network), or as fast as loopback goes when 0; ``chunked``: with no
+    ``Content-Length`` (Transfer-Encoding: chunked)."""
     import httpx
 
     body = b'{"prompt": "' + b"x" * BIG + b'", "max_tokens": 4}'
@@ -44,12 +47,16 @@ def attacker(url: str, stop: mp.Event, counts: mp.Queue, mb_s: float) -> None:  
             yield body[i : i + step]
             time.sleep(step / (mb_s * 1e6))
 
-    headers = {"content-type": "application/json", "content-length": str(len(body))}
+    headers = {"content-type": "application/json"}
+    if not chunked:
+        headers["content-length"] = str(len(body))
     seen: dict[str, int] = {}
     with httpx.Client(timeout=60) as client:
         while not stop.is_set():
             try:
                 content = paced() if mb_s > 0 else body
+                if chunked and mb_s <= 0:
+                    content = iter([body[i : i + step] for i in range(0, len(body), step)])
                 r = client.post(url, content=content, headers=headers)
                 key = str(r.status_code)
             except httpx.HTTPError as e:
@@ -73,6 +80,20 @@ def victim(url: str, n: int) -> list[float]:
     return out
 
 
+def cpu_flags() -> str:
+    """The CPU features that decide the model's speed here (docs: FIELD-NOTES "The machines
+    are not all alike"), from /proc/cpuinfo."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in wanted if f in have) or "none of " + "/".join(wanted)
+    except OSError:
+        pass
+    return "unknown"
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -87,6 +108,9 @@ def main() -> None:
         type=float,
         default=12.5,
         help="each attacker's upload rate, MB/s (12.5: a 100 Mbit/s client; 0: unpaced)",
+    )
+    ap.add_argument(
+        "--chunked", action="store_true", help="upload without Content-Length (chunked)"
     )
     a = ap.parse_args()
     if not (20 <= a.requests <= 2000 and 1 <= a.attackers <= 8 and 0 <= a.upload_mb_s <= 1e4):
@@ -121,7 +145,7 @@ def main() -> None:
         ctx = mp.get_context("spawn")
         stop, counts = ctx.Event(), ctx.Queue()
         procs = [
-            ctx.Process(target=attacker, args=(url, stop, counts, a.upload_mb_s))
+            ctx.Process(target=attacker, args=(url, stop, counts, a.upload_mb_s, a.chunked))
             for _ in range(a.attackers)
         ]
         for p in procs:
@@ -146,8 +170,10 @@ def main() -> None:
         "quiet (after)": quiet2,
     }
     pace = f"{a.upload_mb_s:g} MB/s each" if a.upload_mb_s > 0 else "unpaced"
+    pace += ", chunked" if a.chunked else ", with Content-Length"
     print(
-        f"abuse bench, tiny model, CPU: {cpu_model_name()}; victim: {a.requests} requests a phase; "
+        f"abuse bench, tiny model, CPU: {cpu_model_name()} ({cpu_flags()}, "
+        f"{os.cpu_count()} cores); victim: {a.requests} requests a phase; "
         f"attackers upload {pace}"
     )
     print(f"{'phase':<24} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
@@ -165,6 +191,8 @@ def main() -> None:
             {
                 "bench": "abuse",
                 "cpu": cpu_model_name(),
+                "cpu_flags": cpu_flags(),
+                "chunked": a.chunked,
                 "requests_per_phase": a.requests,
                 "attackers": a.attackers,
                 "upload_mb_s": a.upload_mb_s,
