@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from metrics import names
@@ -289,28 +289,38 @@ class CompletionServer:
         limit = self.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
-            if not declared.isdigit():
+            digits = declared.lstrip("0") or "0"
+            if not (digits.isascii() and digits.isdigit()):
                 raise oa.ApiError(f"Content-Length {declared[:40]!r}: not a byte count")
-            if int(declared) > limit:
-                raise _too_large(int(declared), limit)
+            if len(digits) > 18 or int(digits) > limit:  # 18 digits: int() stays cheap
+                raise _too_large(int(digits) if len(digits) <= 18 else 10**18, limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody reads the answer; Serve counts a 4xx, not a 5xx
+            raise oa.ApiError("the client disconnected before its body arrived") from None
         return b"".join(chunks)
 
     async def _prompt_ids(self, req: oa.CompletionRequest) -> list[int]:
         """Token ids of the prompt; a text too long for the context by its length alone is
         refused untokenized, and a long one is tokenized in a worker thread."""
+        context = self.engine.engine.scheduler.config.max_len
         if not isinstance(req.prompt, str):
+            if len(req.prompt) >= context:  # before each id is checked, on the loop
+                raise oa.ApiError(
+                    f"prompt: {len(req.prompt)} token ids cannot fit the context of "
+                    f"{context} tokens with any output",
+                    param="prompt",
+                )
             return list(req.prompt)
         n = len(req.prompt)
         if n > self.max_prompt_chars:
             raise oa.ApiError(
-                f"prompt: {n} characters cannot fit the context of "
-                f"{self.engine.engine.scheduler.config.max_len} tokens",
+                f"prompt: {n} characters cannot fit the context of {context} tokens",
                 param="prompt",
             )
         try:

@@ -1,4 +1,4 @@
-"""Arbitrary bytes, JSON and strings against the completion API (issue 17): the parser
+"""Arbitrary bytes, JSON, strings and headers against the completion API (issue 17): the parser
 only ever returns a request or raises an OpenAI-style 4xx; the live endpoint never
 answers 5xx, never hangs, and serves a reference request correctly after each input.
 
@@ -148,7 +148,7 @@ def _post_and_check(client: httpx.Client, reference: str, content: bytes, ctype:
 
 @pytest.mark.ray
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(raw=st.binary(max_size=300), ctype=st.sampled_from(CONTENT_TYPES))
 def test_live_endpoint_arbitrary_bytes(endpoint, raw: bytes, ctype: str) -> None:
@@ -180,5 +180,31 @@ def test_live_endpoint_arbitrary_routes_and_methods(endpoint, path: str, method:
     client, reference = endpoint
     r = client.request(method, "/" + path.lstrip("/"))
     assert r.status_code < 500, (method, path, r.status_code, r.text[:200])
+    again = client.post("/v1/completions", json=REF)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+
+
+# Headers a client may send with any value; framing headers (Host, Content-Length,
+# Transfer-Encoding, Connection) are the HTTP layer's and left out.
+HEADER_NAMES = [
+    "content-type", "content-encoding", "accept", "accept-encoding", "authorization",
+    "user-agent", "x-request-id", "openai-organization", "cookie", "range", "expect",
+]  # fmt: skip
+header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=80)
+
+
+@pytest.mark.ray
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    headers=st.dictionaries(st.sampled_from(HEADER_NAMES), header_values, max_size=4),
+    body=st.sampled_from([json.dumps(REF).encode(), b"", b"{", b"\x1f\x8b\x08\x00"]),
+)
+def test_live_endpoint_arbitrary_headers(endpoint, headers: dict[str, str], body: bytes) -> None:
+    client, reference = endpoint
+    headers = {k: v.strip() for k, v in headers.items()}
+    r = client.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code < 500, (headers, body, r.status_code, r.text[:200])
     again = client.post("/v1/completions", json=REF)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference

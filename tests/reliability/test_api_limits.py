@@ -110,3 +110,46 @@ def test_a_client_that_leaves_mid_stream_is_counted(base: str, ray_cluster) -> N
     assert _aborted(ray_cluster.metrics_url) == before + 3
     stats = httpx.get(base + "/stats", timeout=10).json()
     assert stats["admitted"] == 0 and stats["queued"] == 0  # their places were given back
+
+
+def _raw_status(base: str, head: bytes) -> int:
+    """Send ``head`` (request line and headers, no body) and read the status code."""
+    url = urlparse(base)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as s:
+        s.sendall(head)
+        data = b""
+        while b"\r\n" not in data:
+            more = s.recv(4096)
+            if not more:
+                break
+            data += more
+    return int(data.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize(
+    "declared", [b"abc", b"-1", b"1e3", b"9" * 18, b"9" * 30, b"9" * 5000, b"\xb2"]
+)
+def test_a_content_length_that_is_no_byte_count_or_too_big_is_a_4xx_at_once(
+    base: str, declared: bytes
+) -> None:
+    """The HTTP parser refuses what is not digits or not a 64-bit count; a number past the
+    limit is the replica's 413 from the header alone (no body follows)."""
+    url = urlparse(base)
+    status = _raw_status(
+        base,
+        f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\n".encode()
+        + b"Content-Type: application/json\r\nContent-Length: "
+        + declared
+        + b"\r\n\r\n",
+    )
+    assert 400 <= status < 500, (declared[:40], status)
+    if declared == b"9" * 18:
+        assert status == 413
+    r = httpx.post(base + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_token_ids_too_many_for_the_context_are_refused_by_their_count(base: str) -> None:
+    r = httpx.post(base + "/v1/completions", json={"prompt": [1] * 600}, timeout=60)
+    assert r.status_code == 400
+    assert "600 token ids cannot fit the context" in r.json()["error"]["message"]
