@@ -10,6 +10,11 @@ fast as loopback and the two shared cores go; with ``--chunked`` the uploads car
 figure is the victim's p99 (and p50) under abuse over the quiet phases' (their mean), measured
 in one run; the target is <= 1.5x. The attackers' answers (413 expected) are counted.
 
+A control phase runs as many busy-looping processes as there are attackers and sends
+nothing: on a machine whose cores the attackers share with the server (2 here), it is what
+their mere CPU use costs the victim, so "abused / CPU hogs" near 1 or below says the server
+adds nothing to it.
+
 Bounded: ``--requests`` per phase (default 150), a 60 s timeout per request; the attackers
 stop with the abused phase.
 
@@ -33,13 +38,15 @@ APP = "abuse"
 BIG = 16 << 20
 
 
-def attacker(url: str, stop: mp.Event, counts: mp.Queue, mb_s: float, chunked: bool) -> None:  # type: ignore[type-arg]
-    """Post a 16 MB prompt again and again until ``stop``; upload at ``mb_s`` MB/s (a
-    client across a network), or as fast as loopback goes when 0; ``chunked``: with no
+def attacker(  # type: ignore[type-arg]
+    url: str, stop: mp.Event, counts: mp.Queue, mb_s: float, chunked: bool, size: int
+) -> None:
+    """Post a ``size``-byte prompt again and again until ``stop``; upload at ``mb_s`` MB/s
+    (a client across a network), or as fast as loopback goes when 0; ``chunked``: with no
     ``Content-Length`` (Transfer-Encoding: chunked)."""
     import httpx
 
-    body = b'{"prompt": "' + b"x" * BIG + b'", "max_tokens": 4}'
+    body = b'{"prompt": "' + b"x" * size + b'", "max_tokens": 4}'
     step = 256 << 10
 
     def paced():
@@ -63,6 +70,25 @@ def attacker(url: str, stop: mp.Event, counts: mp.Queue, mb_s: float, chunked: b
                 key = type(e).__name__
             seen[key] = seen.get(key, 0) + 1
     counts.put(seen)
+
+
+def hog(stop: mp.Event) -> None:  # type: ignore[type-arg]
+    """Burn a core until ``stop`` (the control: CPU use with no requests)."""
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def run_alongside(target, args_of, n: int, url: str, requests: int) -> tuple[list[float], list]:
+    """The victim's latencies while ``n`` processes run ``target(*args_of(stop))``."""
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=target, args=args_of(stop)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # under way
+    out = victim(url, requests)
+    stop.set()
+    return out, procs
 
 
 def victim(url: str, n: int) -> list[float]:
@@ -112,11 +138,20 @@ def main() -> None:
     ap.add_argument(
         "--chunked", action="store_true", help="upload without Content-Length (chunked)"
     )
+    ap.add_argument(
+        "--prompt-mb",
+        type=float,
+        default=BIG / 1e6,
+        help="the attackers' prompt size, MB (a small one shows the cost per request)",
+    )
     a = ap.parse_args()
     if not (20 <= a.requests <= 2000 and 1 <= a.attackers <= 8 and 0 <= a.upload_mb_s <= 1e4):
         raise SystemExit(
             "--requests must be in 20..2000, --attackers in 1..8, --upload-mb-s in 0..10000"
         )
+    if not 1e-6 <= a.prompt_mb <= 256:
+        raise SystemExit(f"--prompt-mb {a.prompt_mb}: must be in 0.000001..256")
+    size = int(a.prompt_mb * 1e6)
 
     from serving.app.cluster import ray_env_defaults
 
@@ -142,17 +177,17 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}/{APP}/v1/completions"
         victim(url, 10)  # warm-up
         quiet1 = victim(url, a.requests)
-        ctx = mp.get_context("spawn")
-        stop, counts = ctx.Event(), ctx.Queue()
-        procs = [
-            ctx.Process(target=attacker, args=(url, stop, counts, a.upload_mb_s, a.chunked))
-            for _ in range(a.attackers)
-        ]
+        hogged, procs = run_alongside(hog, lambda stop: (stop,), a.attackers, url, a.requests)
         for p in procs:
-            p.start()
-        time.sleep(1.0)  # the attackers' first uploads are under way
-        abused = victim(url, a.requests)
-        stop.set()
+            p.join(60)
+        counts = mp.get_context("spawn").Queue()
+        abused, procs = run_alongside(
+            attacker,
+            lambda stop: (url, stop, counts, a.upload_mb_s, a.chunked, size),
+            a.attackers,
+            url,
+            a.requests,
+        )
         answers: dict[str, int] = {}
         for _ in procs:
             for k, v in counts.get(timeout=120).items():
@@ -166,11 +201,13 @@ def main() -> None:
     quiet = quiet1 + quiet2
     rows = {
         "quiet (before)": quiet1,
-        f"{a.attackers} x 16 MB in flight": abused,
+        f"{a.attackers} CPU hogs (control)": hogged,
+        f"{a.attackers} x {a.prompt_mb:g} MB in flight": abused,
         "quiet (after)": quiet2,
     }
     pace = f"{a.upload_mb_s:g} MB/s each" if a.upload_mb_s > 0 else "unpaced"
     pace += ", chunked" if a.chunked else ", with Content-Length"
+    pace += f", prompts of {a.prompt_mb:g} MB"
     print(
         f"abuse bench, tiny model, CPU: {cpu_model_name()} ({cpu_flags()}, "
         f"{os.cpu_count()} cores); victim: {a.requests} requests a phase; "
@@ -184,8 +221,11 @@ def main() -> None:
         )
     ratio99 = pct(abused, 0.99) / statistics.mean([pct(quiet1, 0.99), pct(quiet2, 0.99)])
     ratio50 = pct(abused, 0.5) / statistics.mean([pct(quiet1, 0.5), pct(quiet2, 0.5)])
+    hog99 = pct(hogged, 0.99) / statistics.mean([pct(quiet1, 0.99), pct(quiet2, 0.99)])
+    vs_hog = pct(abused, 0.99) / pct(hogged, 0.99)
     print(f"attackers' answers: {answers}")
     print(f"victim p99 ratio abused/quiet: {ratio99:.2f} (target <= 1.5); p50 ratio {ratio50:.2f}")
+    print(f"control: p99 ratio CPU hogs/quiet {hog99:.2f}; abused/CPU hogs {vs_hog:.2f}")
     print(
         json.dumps(
             {
@@ -196,8 +236,11 @@ def main() -> None:
                 "requests_per_phase": a.requests,
                 "attackers": a.attackers,
                 "upload_mb_s": a.upload_mb_s,
+                "prompt_mb": a.prompt_mb,
                 "p99_ratio": round(ratio99, 3),
                 "p50_ratio": round(ratio50, 3),
+                "cpu_hog_p99_ratio": round(hog99, 3),
+                "p99_ratio_vs_cpu_hog": round(vs_hog, 3),
                 "quiet_p99_ms": round(pct(quiet, 0.99) * 1e3, 2),
                 "abused_p99_ms": round(pct(abused, 0.99) * 1e3, 2),
                 "attacker_answers": answers,
