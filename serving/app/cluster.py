@@ -123,6 +123,20 @@ def keep_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+# Ray's own warning on starting a cluster with token auth ends "Set RAY_AUTH_MODE=disabled
+# to opt out" (ray/_private/authentication/authentication_token_setup.py): advice slotune
+# does not take (it overrides that setting), so it is dropped from this process's log.
+RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _NoOptOutAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "to opt out" not in record.getMessage()
+
+
+_NO_OPT_OUT = _NoOptOutAdvice()
+
+
 def secure_local_env() -> Path:
     """Set this process's environment for a loopback-only, token-authenticated local Ray.
 
@@ -135,6 +149,7 @@ def secure_local_env() -> Path:
     """
     ray_env_defaults()
     keep_loopback()
+    logging.getLogger(RAY_AUTH_SETUP_LOGGER).addFilter(_NO_OPT_OUT)  # once: a set
     mode = os.environ.pop(AUTH_MODE_ENV, None)
     if mode is not None and mode.lower() != "token":
         logger.warning(

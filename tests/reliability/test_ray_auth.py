@@ -65,3 +65,17 @@ def test_a_driver_needs_the_cluster_token(ray_cluster, tmp_path) -> None:
         assert "cannot connect" not in out[k]
     assert "RAY_AUTH_MODE is unset, so this driver sent no token" in out["none"]
     assert "the token came from $RAY_AUTH_TOKEN" in out["wrong"]
+
+
+def test_rays_advice_to_disable_auth_is_not_passed_on(ray_cluster, caplog) -> None:
+    """Ray's start-up warning ends "Set RAY_AUTH_MODE=disabled to opt out": advice slotune
+    overrides, so its log drops that record (and only that one)."""
+    import logging
+
+    from serving.app.cluster import RAY_AUTH_SETUP_LOGGER
+
+    log = logging.getLogger(RAY_AUTH_SETUP_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=RAY_AUTH_SETUP_LOGGER):
+        log.warning("Token authentication is enabled. Set RAY_AUTH_MODE=disabled to opt out.")
+        log.warning("another warning of the same module")
+    assert [r.getMessage() for r in caplog.records] == ["another warning of the same module"]
