@@ -37,6 +37,10 @@ def test_slotune_serve_starts_its_own_cluster_over_a_stale_file(monkeypatch) -> 
             assert "serving " in out and "(loopback, token auth)" in out, out
             assert dead not in out
             assert any(p.name.startswith("session_") for p in (tmp / "ray").iterdir())
+            # `--for 1` ends it by itself. A SIGTERM sent while it is already shutting Ray
+            # down can meet Ray's own exit path and abort (-6, seen once in CI), which is
+            # not what this test is about: let it exit on its own.
+            proc.wait(timeout=120)
         finally:
             stop(proc)
         assert proc.returncode == 0
