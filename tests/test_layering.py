@@ -37,6 +37,7 @@ RANKS = {
     "search.calibrate": 7,  # torch: times serving's own model on this device
     "search": 7,  # the tuner: space, guide, objective, evidence, stop rule
     "controller.sim": 8,
+    "controller.backends": 8,  # how knobs reach a deployment (actuators)
     "controller.load": 8,
     "controller.report": 8,
     "controller": 9,  # the loops, targets, windows
