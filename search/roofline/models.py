@@ -114,6 +114,23 @@ class ModelSpec:
                 "(or a JSON file path)"
             ) from None
 
+    @classmethod
+    def from_hf_config(
+        cls, source: str | Path | Mapping[str, Any], *, name: str | None = None
+    ) -> ModelSpec:
+        """A Llama-style decoder from a Hugging Face ``config.json`` (a path, a directory
+        holding one, or its parsed dict); the parameter count follows from the shapes.
+        ``name`` defaults to the checkpoint's directory. What is read, what is assumed and
+        what is refused (mixture of experts, quantized): :mod:`search.roofline.hf_config`."""
+        from search.roofline.hf_config import hf_shapes, read_hf_config
+
+        data, where, default_name = read_hf_config(source)
+        shapes = hf_shapes(data, where=where)
+        try:
+            return cls.from_dict({"name": name or default_name, **shapes})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
