@@ -1,4 +1,12 @@
-"""Before the first trial: the calibrated device, the roofline's prediction and the seeds.
+"""Before the first trial: the model and the device the roofline assumes, its prediction,
+the search box and the seeds.
+
+The roofline seeds the search only when it knows what the deployment serves: the model's
+shapes (a Hugging Face ``config.json`` through ``--model-config``, or a catalogue name; for
+slotune's own built-in deployment, its preset) and the device (``--hardware NAME`` from the
+catalogue, or this machine's calibration where the replicas run here). Without either the
+search runs unseeded over a box the user bounds, and :attr:`SearchPlan.reason` says why: a
+roofline of some other model is never used in its place.
 
 The roofline seed is only as good as the calibration behind it, and a CPU's decode
 speed depends on the torch thread count: the calibration must run with the threads the
@@ -10,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +32,7 @@ if TYPE_CHECKING:
     from metrics.observation import Slo
     from search.roofline.curve import Roofline
     from search.roofline.hardware import HardwareSpec
+    from search.roofline.models import ModelSpec
     from search.roofline.operating_point import RooflineAnalysis
     from search.space import Knobs, SearchSpace
 
@@ -29,6 +40,12 @@ log = logging.getLogger(__name__)
 
 MODELS = {"tiny": "slotune-tiny", "small": "slotune-small"}  # serving preset → roofline model
 DEFAULT_MAX_SLOTS = {"tiny": 64, "small": 128}
+DEFAULT_MAX_BATCH = 256  # the batch bound of an unseeded search unless the user gives one
+HEADROOM_MAX = 2.0  # max_concurrency / max_batch_size, seeded or not
+LOCAL_HARDWARE = "local"  # --hardware local: calibrate this machine (the replicas run here)
+NO_MODEL = (
+    "unseeded: no --model-config or catalogue model given; the roofline needs the model's shapes"
+)
 
 
 def cached_threads(path: Path, version: int | None = None) -> int | None:
@@ -73,16 +90,169 @@ def hardware_spec(
     return cal.spec, f"calibrated now at {threads} thread(s) ({cal.elapsed_s:.0f} s), {path}"
 
 
+# ---- what the roofline assumes ---------------------------------------------------------
+
+
+def roofline_model(model_config: str | None, model_name: str | None) -> ModelSpec | None:
+    """The model the deployment serves, for the roofline: ``model_config`` a Hugging Face
+    ``config.json`` (or the directory holding it; a catalogue name is accepted too),
+    ``model_name`` a catalogue name or a ModelSpec JSON file; None when neither is given.
+    A ValueError names the file and field at fault (the caller adds the flag)."""
+    from search.roofline.models import CATALOG, MODEL_NAMES, ModelSpec, resolve_model
+
+    if model_config is not None and model_name is not None:
+        raise ValueError("a model config and a catalogue model were both given: give one")
+    if model_config is not None:
+        if model_config in CATALOG and not Path(model_config).exists():
+            return CATALOG[model_config]
+        if not Path(model_config).exists():
+            raise ValueError(
+                f"{model_config!r}: no such file, and not a catalogue model "
+                f"({', '.join(MODEL_NAMES)})"
+            )
+        return ModelSpec.from_hf_config(model_config)
+    if model_name is not None:
+        return resolve_model(model_name)
+    return None
+
+
+def roofline_hardware(
+    name: str | None, *, replicas_here: bool, device: str, threads: int, quiet: bool
+) -> tuple[HardwareSpec | None, str]:
+    """The device the roofline assumes and where its figures come from.
+
+    ``name``: a catalogue name or a hardware JSON file (``slotune calibrate``'s), or
+    ``local`` to calibrate this machine's ``device`` at the replica's ``threads``. Without
+    a name, this machine is calibrated only when ``replicas_here`` (slotune started the
+    deployment here): a remote app's devices are not this machine's, so the device is then
+    unknown (None, and the reason the search runs unseeded)."""
+    from search.roofline.hardware import HARDWARE_NAMES, resolve_hardware
+
+    if name == LOCAL_HARDWARE or (name is None and replicas_here):
+        return hardware_spec(device, quiet=quiet, threads=threads)
+    if name is None:
+        return None, (
+            "unseeded: no --hardware given and the app's replicas are not known to run on "
+            "this machine; the roofline needs the device's bandwidth and FLOP/s (give "
+            f"--hardware with one of {', '.join(HARDWARE_NAMES)}, a calibration JSON, or "
+            f"{LOCAL_HARDWARE} when the replicas run here)"
+        )
+    hw = resolve_hardware(name)
+    return hw, f"{hw.name}: {hw.source or name}"
+
+
+# ---- the plan ------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, kw_only=True)
 class SearchPlan:
-    """The roofline's prediction for the deployment, the search box it bounds and the seeds."""
+    """The search box and the first knobs to measure; when ``seeded``, the roofline's
+    prediction for the deployment behind them. ``reason`` says, for the report, what the
+    seed came from or why there is none."""
 
-    roofline: Roofline
-    analysis: RooflineAnalysis
     space: SearchSpace
-    seeds: tuple[Knobs, ...]  # the roofline's operating point first, then x0.5 and x1.5
-    predicted: tuple[PredictedPoint, ...]  # the predicted curve, for the report
-    seed_batch: int  # the roofline's operating point (1 when none meets the SLO)
+    seeds: tuple[Knobs, ...]  # seeded: the operating point first, then x0.5 and x1.5
+    seeded: bool
+    reason: str
+    roofline: Roofline | None = None
+    analysis: RooflineAnalysis | None = None
+    predicted: tuple[PredictedPoint, ...] = ()  # the predicted curve, for the report
+    seed_batch: int | None = None  # the roofline's operating point (1 when none meets the SLO)
+
+    def __post_init__(self) -> None:
+        if not self.reason:
+            raise ValueError("reason='': a plan says what its seed came from or why none")
+        known = (self.roofline, self.analysis, self.seed_batch)
+        if self.seeded and any(v is None for v in known):
+            raise ValueError("seeded=True: needs the roofline, its analysis and seed_batch")
+        if not self.seeded and (any(v is not None for v in known) or self.predicted):
+            raise ValueError("seeded=False: an unseeded plan carries no roofline prediction")
+
+    @property
+    def model_tpot_s(self) -> Callable[[int], float] | None:
+        """The roofline's step time by batch, for the tuner's guide (None: unseeded)."""
+        return self.roofline.step_time_s if self.roofline is not None else None
+
+
+def plan_for(
+    *,
+    model: ModelSpec | None,
+    hardware: HardwareSpec | None,
+    tp: int = 1,
+    slo: Slo,
+    price: float | None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    context: int,
+    reason: str = "",
+) -> SearchPlan:
+    """Plan the search of ``model`` served on ``tp`` x ``hardware`` at ``context`` tokens:
+    the batch goes up to what both ``max_batch`` and the device memory hold, and the seeds
+    are the roofline's operating point and its neighbours. With no model or no hardware,
+    an unseeded plan over batch 1..``max_batch`` (``reason``, else a default, says why).
+
+    ValueError: a ``tp`` the model or device does not allow, or weights that do not fit
+    (the message says which ``--tp`` would); NoFeasiblePoint: even batch 1 misses the TPOT
+    SLO on the roofline (a lower bound on any real step on catalogue hardware)."""
+    from search.roofline.curve import Roofline
+    from search.roofline.operating_point import analyze
+    from search.space import Knobs, SearchSpace
+
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch={max_batch!r}: must be an integer >= 1")
+    if model is None or hardware is None:
+        why = reason or (NO_MODEL if model is None else "unseeded: no hardware given")
+        return unseeded_plan(max_batch=max_batch, reason=why)
+    roof = Roofline(model=model, hardware=hardware, tp=tp, dtype="bf16", context=context)
+    largest_batch = max(1, min(max_batch, roof.max_batch_memory))
+    a = analyze(roof, slo_tpot_s=slo.tpot_p99_s, max_batch=largest_batch, usd_per_hour=price)
+    try:
+        space = SearchSpace.bounded(
+            step_time_s=roof.step_time_s,
+            max_batch_memory=largest_batch,
+            slo=slo,
+            headroom_max=HEADROOM_MAX,
+        )
+    except ValueError as e:
+        raise NoFeasiblePoint(f"the roofline rules out every batch: {e}") from None
+    op = a.operating_point
+    b = op.batch if op is not None else 1
+    seeds = [space.clip(Knobs(max_batch_size=b, max_concurrency=b))]
+    for f in (0.5, 1.5):
+        bb = max(1, round(b * f))
+        k = space.clip(Knobs(max_batch_size=bb, max_concurrency=bb))
+        if k not in seeds:
+            seeds.append(k)
+    cal = ", calibrated" if roof.calibrated else ""
+    at = f"its operating point B={b}" if op is not None else "B=1 (no batch meets the TPOT SLO)"
+    return SearchPlan(
+        space=space,
+        seeds=tuple(seeds),
+        seeded=True,
+        reason=f"seeded at {at} on the roofline of {model.name} on {tp} x {hardware.name}"
+        f"{cal}, context {context}",
+        roofline=roof,
+        analysis=a,
+        predicted=tuple(PredictedPoint.of(p) for p in a.curve),
+        seed_batch=b,
+    )
+
+
+def unseeded_plan(*, max_batch: int, reason: str, points: int = 3) -> SearchPlan:
+    """Batch 1..``max_batch`` and headroom up to :data:`HEADROOM_MAX`, no prediction; the
+    start knobs are ``points`` batches log-spaced inside the box, the middle one first
+    (deterministic, unlike a sampler's random start, and spread over the decades)."""
+    from search.space import Knobs, SearchSpace
+
+    space = SearchSpace(batch_min=1, batch_max=max_batch, headroom_max=HEADROOM_MAX)
+    seeds: list[Knobs] = []
+    fractions = sorted((i / (points + 1) for i in range(1, points + 1)), key=lambda f: abs(f - 0.5))
+    for f in fractions:
+        b = max(1, round(math.exp(f * math.log(max_batch))))
+        k = Knobs(max_batch_size=b, max_concurrency=b)
+        if k not in seeds:
+            seeds.append(k)
+    log.info("%s; start knobs %s", reason, ", ".join(map(str, seeds)))
+    return SearchPlan(space=space, seeds=tuple(seeds), seeded=False, reason=reason)
 
 
 def plan_search(
@@ -94,36 +264,17 @@ def plan_search(
     max_slots: int,
     context: int,
 ) -> SearchPlan:
-    """Plan the search of the built-in ``model`` on ``hardware`` at ``context`` tokens: the
+    """Plan the search of the built-in ``model`` preset (``tiny``/``small``: slotune's own
+    deployment, so the preset is what is served) on ``hardware`` at ``context`` tokens: the
     batch goes up to what both ``max_slots`` and the device memory hold."""
-    from search.roofline.curve import Roofline
     from search.roofline.models import resolve_model
-    from search.roofline.operating_point import analyze
-    from search.space import Knobs, SearchSpace
 
-    roof = Roofline(
-        model=resolve_model(MODELS[model]), hardware=hardware, dtype="bf16", context=context
-    )
-    largest_batch = max(1, min(max_slots, roof.max_batch_memory))
-    a = analyze(roof, slo_tpot_s=slo.tpot_p99_s, max_batch=largest_batch, usd_per_hour=price)
-    try:
-        space = SearchSpace.bounded(
-            step_time_s=roof.step_time_s, max_batch_memory=largest_batch, slo=slo, headroom_max=2.0
-        )
-    except ValueError as e:
-        raise NoFeasiblePoint(f"the roofline rules out every batch: {e}") from None
-    b = a.operating_point.batch if a.operating_point is not None else 1
-    seeds = [space.clip(Knobs(max_batch_size=b, max_concurrency=b))]
-    for f in (0.5, 1.5):
-        bb = max(1, round(b * f))
-        k = space.clip(Knobs(max_batch_size=bb, max_concurrency=bb))
-        if k not in seeds:
-            seeds.append(k)
-    return SearchPlan(
-        roofline=roof,
-        analysis=a,
-        space=space,
-        seeds=tuple(seeds),
-        predicted=tuple(PredictedPoint.of(p) for p in a.curve),
-        seed_batch=b,
+    return plan_for(
+        model=resolve_model(MODELS[model]),
+        hardware=hardware,
+        tp=1,
+        slo=slo,
+        price=price,
+        max_batch=max_slots,
+        context=context,
     )

@@ -156,3 +156,135 @@ def test_the_plan_bounds_the_search_by_max_slots_and_seeds_the_roofline_point() 
     assert plan.space.batch_max <= 16
     assert plan.seeds[0].max_batch_size == plan.seed_batch <= 16
     assert len(plan.predicted) == len(plan.analysis.curve)
+
+
+# --- what the roofline assumes: any model, any device, tp; unseeded when unknown ----------
+
+
+def _slo(tpot_s: float = 0.05):
+    from metrics.observation import Slo
+
+    return Slo(ttft_p99_s=2.0, tpot_p99_s=tpot_s)
+
+
+def test_any_catalogued_model_and_device_seed_the_plan_with_a_reason() -> None:
+    from search.roofline.hardware import resolve_hardware
+    from search.roofline.models import resolve_model
+
+    plan = tune_plan.plan_for(
+        model=resolve_model("llama-3.1-8b"),
+        hardware=resolve_hardware("h100-sxm"),
+        slo=_slo(),
+        price=None,
+        max_batch=512,
+        context=2048,
+    )
+    assert plan.seeded and plan.roofline is not None and plan.roofline.model.name == "llama-3.1-8b"
+    assert plan.seeds[0].max_batch_size == plan.seed_batch > 1
+    assert plan.space.batch_max <= 512 and plan.predicted
+    assert "llama-3.1-8b" in plan.reason and "h100-sxm" in plan.reason
+    assert f"B={plan.seed_batch}" in plan.reason
+    assert plan.model_tpot_s is not None and plan.model_tpot_s(1) > 0
+
+
+def test_tensor_parallelism_reaches_the_roofline() -> None:
+    from search.roofline.hardware import resolve_hardware
+    from search.roofline.models import resolve_model
+
+    m, hw = resolve_model("llama-3.1-70b"), resolve_hardware("h100-sxm")
+    kw = dict(model=m, hardware=hw, slo=_slo(0.1), price=2.5, max_batch=1024, context=4096)
+    with pytest.raises(ValueError, match="--tp 2"):  # 141 GB of weights on one 80 GB device
+        tune_plan.plan_for(tp=1, **kw)
+    two, four = tune_plan.plan_for(tp=2, **kw), tune_plan.plan_for(tp=4, **kw)
+    assert two.roofline.tp == 2 and four.roofline.tp == 4 and "4 x h100-sxm" in four.reason
+    assert four.roofline.max_batch_memory > 2 * two.roofline.max_batch_memory
+    assert four.analysis.at(1).tpot_s < two.analysis.at(1).tpot_s
+    with pytest.raises(ValueError, match="tp=3: must divide"):
+        tune_plan.plan_for(tp=3, **kw)
+
+
+def test_without_a_model_the_search_runs_unseeded_and_says_why() -> None:
+    from search.roofline.hardware import resolve_hardware
+
+    plan = tune_plan.plan_for(
+        model=None, hardware=resolve_hardware("h100-sxm"), slo=_slo(), price=None, context=64
+    )
+    assert not plan.seeded and plan.reason == tune_plan.NO_MODEL
+    assert "--model-config" in plan.reason and plan.reason.startswith("unseeded")
+    assert (plan.space.batch_min, plan.space.batch_max, plan.space.headroom_max) == (1, 256, 2.0)
+    assert [k.max_batch_size for k in plan.seeds] == [16, 4, 64]  # log-spaced, middle first
+    assert plan.predicted == () and plan.roofline is None and plan.seed_batch is None
+    assert plan.model_tpot_s is None
+    small = tune_plan.plan_for(model=None, hardware=None, slo=_slo(), price=None, max_batch=2,
+                               context=64, reason="unseeded: test")  # fmt: skip
+    assert small.reason == "unseeded: test" and all(k.max_batch_size <= 2 for k in small.seeds)
+    with pytest.raises(ValueError, match="max_batch=0"):
+        tune_plan.plan_for(model=None, hardware=None, slo=_slo(), price=None, max_batch=0,
+                           context=64)  # fmt: skip
+
+
+def test_an_unseeded_plan_starts_the_tuner_at_its_first_knob() -> None:
+    from search.tuner import Tuner
+
+    plan = tune_plan.plan_for(model=None, hardware=None, slo=_slo(), price=None, context=64)
+    tuner = Tuner(space=plan.space, slo=_slo(), seed_knobs=plan.seeds, model_tpot_s=None)
+    assert tuner.propose() == plan.seeds[0]
+
+
+def test_a_plan_is_seeded_with_a_prediction_or_unseeded_without_one() -> None:
+    from search.space import SearchSpace
+
+    space = SearchSpace(batch_max=8)
+    with pytest.raises(ValueError, match="seeded=True"):
+        tune_plan.SearchPlan(space=space, seeds=(), seeded=True, reason="x")
+    with pytest.raises(ValueError, match="reason=''"):
+        tune_plan.SearchPlan(space=space, seeds=(), seeded=False, reason="")
+
+
+def test_roofline_model_from_a_config_a_catalogue_name_or_none(tmp_path: Path) -> None:
+    from search.roofline.models import CATALOG
+
+    assert tune_plan.roofline_model(None, None) is None
+    assert tune_plan.roofline_model("llama-3.1-8b", None) is CATALOG["llama-3.1-8b"]
+    assert tune_plan.roofline_model(None, "mistral-7b") is CATALOG["mistral-7b"]
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    }
+    d = tmp_path / "my-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    m = tune_plan.roofline_model(str(d / "config.json"), None)
+    assert m.name == "my-llama" and m.kv_bytes_per_token() == 131_072
+    with pytest.raises(ValueError, match="give one"):
+        tune_plan.roofline_model(str(d), "mistral-7b")
+    with pytest.raises(ValueError, match="no such file, and not a catalogue model"):
+        tune_plan.roofline_model(str(tmp_path / "nope.json"), None)
+    with pytest.raises(ValueError, match="not in the catalog"):
+        tune_plan.roofline_model(None, "gpt-5")
+
+
+def test_roofline_hardware_calibrates_here_only_when_the_replicas_run_here(monkeypatch) -> None:
+    calls: list[tuple[str, int]] = []
+
+    def fake(device, *, quiet, threads):
+        calls.append((device, threads))
+        return "local-spec", "calibration note"
+
+    monkeypatch.setattr(tune_plan, "hardware_spec", fake)
+    kw = dict(device="cpu", threads=1, quiet=True)
+    hw, note = tune_plan.roofline_hardware("h200", replicas_here=False, **kw)
+    assert hw is CATALOG["h200"] and "h200" in note and calls == []
+    hw, note = tune_plan.roofline_hardware(None, replicas_here=False, **kw)
+    assert hw is None and note.startswith("unseeded") and "--hardware" in note
+    assert tune_plan.roofline_hardware(None, replicas_here=True, **kw)[0] == "local-spec"
+    assert tune_plan.roofline_hardware("local", replicas_here=False, **kw)[0] == "local-spec"
+    assert calls == [("cpu", 1), ("cpu", 1)]
+    with pytest.raises(ValueError, match="not in the catalog"):
+        tune_plan.roofline_hardware("tpu-v9", replicas_here=False, **kw)
