@@ -1,6 +1,7 @@
-"""Load generator: streaming requests against an OpenAI-compatible ``/v1/completions``.
+"""Load generator: streaming requests against an OpenAI-compatible server.
 
-Drives any such server (the built-in Ray Serve app, vLLM, ...) with one of:
+Drives any such server (the built-in Ray Serve app, vLLM, SGLang, Ray Serve LLM, ...)
+at ``/v1/completions`` or ``/v1/chat/completions`` with one of:
 
 - closed loop: ``concurrency`` workers, each sending the next request as soon as
   its previous one ends (saturating: every admission slot stays occupied);
@@ -11,20 +12,23 @@ Every run is bounded by a request count and a wall-clock duration; in-flight
 requests still running at the deadline are cancelled (which frees their KV slot
 on a server that aborts on disconnect) and counted as ``cancelled``. It only
 ever sends ``POST`` to the one URL it was given, never follows redirects and
-ignores proxy settings from the environment.
+ignores proxy settings from the environment. Connections are kept alive and reused
+(a pool as large as the concurrency), as a production client's would be, so each
+request does not pay a TCP handshake.
 
 Per request it records the client-side times (send, first token, last token),
-the number of streamed tokens and the HTTP status; 429 and 503 are counted as
+the prompt and output token counts and the HTTP status; 429 and 503 are counted as
 rejections (backpressure), anything else non-200 as errors.
 
-Request shapes and bounds live in :mod:`controller.load.spec`, the records and the
-client-side Observation in :mod:`controller.load.result`.
+Request shapes and bounds live in :mod:`controller.load.spec`, prompts in
+:mod:`controller.load.prompts`, one request's body and stream in
+:mod:`controller.load.request`, the records and the client-side Observation in
+:mod:`controller.load.result`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -33,14 +37,10 @@ from typing import Any
 
 import httpx
 
-from controller.load.result import (
-    LoadResult,
-    RequestRecord,
-)
-from controller.load.spec import (
-    LoadSpec,
-    synth_prompt,
-)
+from controller.load.prompts import Prompt, PromptMaker
+from controller.load.request import send_one
+from controller.load.result import LoadResult, RequestRecord
+from controller.load.spec import LoadSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +48,21 @@ log = logging.getLogger(__name__)
 class _Plan:
     """Produces the (prompt, max_tokens, arrival offset) of request i, deterministically."""
 
-    def __init__(self, spec: LoadSpec) -> None:
+    def __init__(self, spec: LoadSpec, prompts: PromptMaker) -> None:
         self.spec = spec
+        self.prompts = prompts
         self.rng = random.Random(spec.seed)
         self.next_arrival = 0.0
 
-    def request(self, i: int) -> tuple[str, int, int]:
+    def request(self, i: int) -> tuple[Prompt, int]:
         spec = self.spec
         if spec.trace:
             item = spec.trace[i % len(spec.trace)]
             if item.prompt is not None:
-                return item.prompt, len(item.prompt), item.max_tokens
-            n = int(item.prompt_tokens or 1)
-            return synth_prompt(n, self.rng), n, item.max_tokens
+                return self.prompts.from_text(item.prompt), item.max_tokens
+            return self.prompts.make(int(item.prompt_tokens or 1), self.rng), item.max_tokens
         n = spec.prompt_tokens.sample_one(self.rng)
-        return synth_prompt(n, self.rng), n, spec.output_tokens.sample_one(self.rng)
+        return self.prompts.make(n, self.rng), spec.output_tokens.sample_one(self.rng)
 
     def arrival(self, i: int) -> float:
         spec = self.spec
@@ -78,72 +78,6 @@ class _Plan:
         return self.next_arrival
 
 
-async def _one_request(
-    client: httpx.AsyncClient, spec: LoadSpec, prompt: str, n_prompt: int, max_tokens: int
-) -> RequestRecord:
-    body: dict[str, Any] = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "temperature": 0.0,
-    }
-    if spec.model is not None:
-        body["model"] = spec.model
-    sent = time.time()
-    first: float | None = None
-    last: float | None = None
-    tokens = 0
-    usage_tokens: int | None = None
-    status = 0
-    error = ""
-    try:
-        async with client.stream("POST", spec.url, json=body) as resp:
-            status = resp.status_code
-            if status != 200:
-                detail = (await resp.aread())[:200].decode("utf-8", "replace")
-                error = f"HTTP {status}: {detail}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    now = time.time()
-                    try:
-                        chunk = json.loads(data)
-                    except json.JSONDecodeError:
-                        error = f"malformed SSE data: {data[:80]!r}"
-                        break
-                    if chunk.get("error"):
-                        error = f"server error in stream: {chunk['error']}"
-                        break
-                    usage = chunk.get("usage") or {}
-                    if usage.get("completion_tokens") is not None:
-                        usage_tokens = int(usage["completion_tokens"])
-                    if chunk.get("choices"):
-                        tokens += 1
-                        if first is None:
-                            first = now
-                        last = now
-    except httpx.HTTPError as e:
-        error = f"{type(e).__name__}: {e}"
-    if usage_tokens is not None and usage_tokens > 0:
-        tokens = usage_tokens
-    return RequestRecord(
-        sent_s=sent,
-        done_s=time.time(),
-        first_token_s=first,
-        last_token_s=last,
-        prompt_tokens=n_prompt,
-        max_tokens=max_tokens,
-        output_tokens=tokens,
-        status=status,
-        error=error,
-    )
-
-
 async def run_load(
     spec: LoadSpec,
     *,
@@ -154,15 +88,21 @@ async def run_load(
     """Offer the load ``spec`` describes; returns when the count or the duration is spent,
     or as soon as ``stop`` is set (in-flight requests are then cancelled). ``on_record`` is
     called with each finished request as it finishes."""
+    # the tokenizer's vocabulary scan can take a moment: off the event loop
+    plan = _Plan(spec, await asyncio.to_thread(PromptMaker, spec))
     own = client is None
     if client is None:
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(spec.request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=0),
+            # one kept-alive connection per worker (closed loop) or in-flight slot (open);
+            # a little headroom so that a connection still closing never queues a request
+            limits=httpx.Limits(
+                max_connections=spec.concurrency + 4,
+                max_keepalive_connections=spec.concurrency,
+            ),
             follow_redirects=False,
             trust_env=False,
         )
-    plan = _Plan(spec)
     records: list[RequestRecord] = []
     issued = 0
     dropped = 0
@@ -182,8 +122,8 @@ async def run_load(
 
     async def worker() -> None:
         while (i := take()) is not None:
-            prompt, n, max_tokens = plan.request(i)
-            rec = await _one_request(client, spec, prompt, n, max_tokens)
+            prompt, max_tokens = plan.request(i)
+            rec = await send_one(client, spec, prompt, max_tokens)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
@@ -199,8 +139,8 @@ async def run_load(
             if len(in_flight) >= spec.concurrency:
                 dropped += 1
                 continue
-            prompt, n, max_tokens = plan.request(i)
-            task = asyncio.create_task(_one_request(client, spec, prompt, n, max_tokens))
+            prompt, max_tokens = plan.request(i)
+            task = asyncio.create_task(send_one(client, spec, prompt, max_tokens))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
             task.add_done_callback(lambda t: _collect(t, records, on_record))
@@ -235,7 +175,17 @@ async def run_load(
         records=tuple(sorted(records, key=lambda r: r.sent_s)),
         cancelled=cancelled,
         dropped=dropped,
+        spec=spec,
     )
+    if result.length_mismatches:
+        log.warning(
+            "load: %d of %d completed requests got an output length other than max_tokens "
+            "(ignore_eos=%s; counts from usage: %d of them)",
+            result.length_mismatches,
+            result.completed,
+            spec.ignore_eos,
+            sum(r.output_from_usage for r in result.records if r.length_mismatch),
+        )
     log.info(
         "load %s: %d sent, %d ok, %d rejected, %d errors, %d cancelled, %d dropped in %.1f s",
         spec.mode,

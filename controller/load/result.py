@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from controller.load.spec import LoadSpec
 from metrics.observation import Observation, Percentiles, Slo
 from metrics.samples import exact_quantile, verdict_from_samples
 
@@ -14,7 +15,13 @@ REJECT_STATUSES = (429, 503)
 
 @dataclass(frozen=True, kw_only=True)
 class RequestRecord:
-    """One request as the client saw it (unix seconds)."""
+    """One request as the client saw it (unix seconds).
+
+    ``prompt_tokens`` is the client's count (exact in the served model's tokens with a
+    tokenizer or token-id prompts; characters otherwise, see LoadSpec); ``output_tokens``
+    the server's ``usage.completion_tokens`` when it sent one (``output_from_usage``),
+    else the number of stream events that carried text.
+    """
 
     sent_s: float
     done_s: float
@@ -25,6 +32,8 @@ class RequestRecord:
     output_tokens: int
     status: int  # HTTP status; 0 when the transport failed
     error: str = ""
+    output_from_usage: bool = False
+    server_prompt_tokens: int | None = None  # usage.prompt_tokens, when the server sent it
 
     @property
     def ok(self) -> bool:
@@ -33,6 +42,12 @@ class RequestRecord:
     @property
     def rejected(self) -> bool:
         return self.status in REJECT_STATUSES
+
+    @property
+    def length_mismatch(self) -> bool:
+        """A completed request whose output length is not the ``max_tokens`` it asked for
+        (an EOS the server did not ignore, a stop, or events that packed several tokens)."""
+        return self.ok and self.output_tokens != self.max_tokens
 
     @property
     def ttft_s(self) -> float:
@@ -55,6 +70,7 @@ class LoadResult:
     records: tuple[RequestRecord, ...]
     cancelled: int = 0  # in flight at the deadline, cancelled
     dropped: int = 0  # open loop: arrivals not sent because the in-flight cap was full
+    spec: LoadSpec | None = None  # the load that was offered (endpoint, prompt format, ...)
 
     @property
     def completed(self) -> int:
@@ -79,10 +95,15 @@ class LoadResult:
     def generated_tokens(self) -> int:
         return sum(r.output_tokens for r in self.records if r.ok)
 
+    @property
+    def length_mismatches(self) -> int:
+        """Completed requests whose output length differs from what they asked for."""
+        return sum(r.length_mismatch for r in self.records)
+
     def between(self, start_s: float, end_s: float) -> LoadResult:
         """The requests that finished inside [start_s, end_s] (a measurement window)."""
         recs = tuple(r for r in self.records if start_s <= r.done_s <= end_s)
-        return LoadResult(start_s=start_s, end_s=end_s, records=recs)
+        return LoadResult(start_s=start_s, end_s=end_s, records=recs, spec=self.spec)
 
 
 def client_observation(result: LoadResult, slo: Slo, *, confidence: float = 0.95) -> Observation:

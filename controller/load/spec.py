@@ -3,8 +3,11 @@
 Lengths are drawn from :class:`serving.sim.workload.LengthDist` (the simulator's too).
 
 :class:`LoadSpec` says where (one URL), how (closed loop, open-loop Poisson, or a
-trace's arrival times), how many and for how long; :func:`saturating_spec` is the
-default load for a candidate configuration. :mod:`controller.load.generator` drives it.
+trace's arrival times), how many and for how long, and what each request looks like
+on the wire: which endpoint (``completions`` or ``chat``), how the prompt is sent
+(``text`` or ``token_ids``), which tokenizer sizes it, whether ``ignore_eos`` is asked.
+:func:`saturating_spec` is the default load for a candidate configuration.
+:mod:`controller.load.generator` drives it; :mod:`controller.load.prompts` builds the prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,18 @@ from urllib.parse import urlsplit
 from serving.sim.workload import LengthDist
 
 MODES = ("closed", "open", "trace")
+ENDPOINTS = ("completions", "chat")  # /v1/completions, /v1/chat/completions
+PROMPT_FORMATS = ("text", "token_ids")
+_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+# Servers whose OpenAI-compatible API takes ``ignore_eos`` (and a prompt as a list of
+# token ids): vLLM (vllm/entrypoints/openai/protocol.py, CompletionRequest and
+# ChatCompletionRequest: ``ignore_eos: bool = False``, ``prompt: list[int] | ... | str``),
+# SGLang (python/sglang/srt/entrypoints/openai/protocol.py, CompletionRequest), and Ray
+# Serve LLM, whose request models subclass vLLM's or SGLang's
+# (ray/llm/_internal/serve/core/configs/openai_api_models.py). slotune's own server
+# refuses a field it does not honour with a 400: name it here once it takes ignore_eos.
+IGNORE_EOS_SERVERS = frozenset({"vllm", "sglang", "ray-serve-llm"})
 
 # Filler words for synthetic prompts; with a byte-level tokenizer one character
 # is one token, so prompts are cut to exactly the sampled number of characters.
@@ -84,6 +99,14 @@ class LoadSpec:
     model: str | None = None  # the "model" field; None leaves it to the server's default
     request_timeout_s: float = 60.0
     seed: int = 0
+    endpoint: str = "completions"  # the body and stream format: completions or chat
+    # text: the prompt as a string; token_ids: as a list of ids (completions only)
+    prompt_format: str = "text"
+    # a tokenizer.json (or a directory holding one) of the served model: prompts are
+    # sized in its tokens; None: text prompts are sized in characters (one token each
+    # with slotune's byte tokenizer), token-id prompts are ASCII codes
+    tokenizer: str | None = None
+    ignore_eos: bool = False  # ask the server to run every request to max_tokens
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -105,6 +128,69 @@ class LoadSpec:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v!r}: must be a positive number of seconds")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint={self.endpoint!r}: allowed {ENDPOINTS}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format={self.prompt_format!r}: allowed {PROMPT_FORMATS}")
+        if self.endpoint == "chat" and self.prompt_format == "token_ids":
+            raise ValueError(
+                "prompt_format='token_ids': chat messages are text; use endpoint='completions'"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r}: must be True or False")
+        if self.tokenizer is not None:
+            tokenizer_file(self.tokenizer)  # raises naming the path
+        elif self.prompt_format == "token_ids" and any(
+            item.prompt is not None for item in self.trace or ()
+        ):
+            raise ValueError(
+                "prompt_format='token_ids' with a trace of text prompts needs a tokenizer "
+                "to encode them"
+            )
+
+    def summary(self) -> dict[str, object]:
+        """What was offered, for a report: the loop, the wire format and the shapes."""
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "rate_rps": self.rate_rps,
+            "endpoint": self.endpoint,
+            "prompt_format": self.prompt_format,
+            "tokenizer": self.tokenizer,
+            "ignore_eos": self.ignore_eos,
+            "prompt_tokens": None if self.trace else _dist_text(self.prompt_tokens),
+            "output_tokens": None if self.trace else _dist_text(self.output_tokens),
+            "trace_requests": len(self.trace) if self.trace else None,
+            "seed": self.seed,
+        }
+
+
+def _dist_text(d: LengthDist) -> str:
+    if d.kind == "fixed":
+        return str(d.mean)
+    if d.kind == "uniform":
+        return f"uniform:{d.lo}-{d.hi}"
+    return f"lognormal:{d.mean},{d.sigma:g}"
+
+
+def tokenizer_file(path: str) -> Path:
+    """The ``tokenizer.json`` that ``path`` names (the file, or a directory holding one)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"tokenizer={path!r}: must be the path of a tokenizer.json")
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(
+            f"tokenizer={path!r}: no such file (give a tokenizer.json or a directory with one)"
+        )
+    return p
+
+
+def honours_ignore_eos(server: str) -> bool:
+    """Whether ``server`` (a name in :data:`IGNORE_EOS_SERVERS`, or any other) takes
+    ``ignore_eos``: the default of :attr:`LoadSpec.ignore_eos` for a known server."""
+    return server in IGNORE_EOS_SERVERS
 
 
 def synth_prompt(n_tokens: int, rng: random.Random) -> str:
@@ -132,7 +218,14 @@ def saturating_spec(url: str, *, max_concurrency: int, duration_s: float, **kw: 
     )
 
 
-def completions_url(base: str) -> str:
-    """``http://host:port[/prefix]`` → ``.../v1/completions`` (unchanged if already there)."""
+def completions_url(base: str, endpoint: str = "completions") -> str:
+    """``http://host:port[/prefix]`` → ``.../v1/completions`` (``endpoint="chat"``:
+    ``.../v1/chat/completions``); a URL that already ends in either path gets the one asked."""
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint={endpoint!r}: allowed {ENDPOINTS}")
     base = base.rstrip("/")
-    return base if base.endswith("/v1/completions") else base + "/v1/completions"
+    for path in sorted(_PATHS.values(), key=len, reverse=True):
+        if base.endswith(path):
+            base = base[: -len(path)]
+            break
+    return base + _PATHS[endpoint]
