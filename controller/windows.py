@@ -1,18 +1,22 @@
-"""Reading one measurement window's server-side Observation from Prometheus-format metrics:
-two scrapes of an endpoint (:class:`ScrapeWindow`) or a Prometheus server's PromQL
-(:class:`PromQLWindow`), with the freshness rules that keep a verdict off stale data.
-A failure to read is :class:`~controller.target_errors.TargetUnavailable` (retried)."""
+"""Reading one measurement window's Observation: from Prometheus-format metrics, by two
+scrapes of an endpoint (:class:`ScrapeWindow`) or a Prometheus server's PromQL
+(:class:`PromQLWindow`), with the freshness rules that keep a verdict off stale data; or,
+under the ``client`` metrics profile, from the load generator's own records
+(:class:`ClientWindow`). A failure to read is
+:class:`~controller.target_errors.TargetUnavailable` (retried)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar, Protocol
 
+from controller.load.result import LoadResult, RequestRecord, client_observation
 from controller.target_errors import TargetUnavailable
-from metrics.observation import Observation
+from metrics.observation import Observation, Slo
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +79,12 @@ class PromQLWindow:
         return None
 
     def _series(self) -> str:
-        from metrics import names
+        from metrics.profiles import SLOTUNE
+        from metrics.sources import counter_selector
 
         src = self.source
-        alts = "|".join(names.counter_samples(names.REQUESTS_TOTAL, prefix=src.prefix))
-        labels = "".join(f',{k}="{_quote(v)}"' for k, v in sorted(src.selector.items()))
-        return f'{{__name__=~"{alts}"{labels}}}'
+        prof = getattr(src, "profile", SLOTUNE)  # a PromQLSource has one
+        return counter_selector(prof.completed, prefix=src.prefix, selector=src.selector)
 
     def _newest(self) -> float:
         got = _transient(
@@ -148,6 +152,49 @@ class PromQLWindow:
         return obs
 
 
+class ClientWindow:
+    """The ``client`` metrics profile: the window's Observation from the load generator's
+    own records, for a server that exports no usable metrics.
+
+    Its :meth:`end` needs the records of the run so far (every request that finished by
+    ``end_s``); ``needs_client_records`` tells the window's caller to hand them over. The
+    latencies are the client's, network and proxy included (the Observation's ``source``
+    and ``note`` say so); goodput is exact per request.
+    """
+
+    needs_client_records: ClassVar[bool] = True
+
+    def __init__(self, *, slo: Slo, confidence: float = 0.95) -> None:
+        if not 0 < confidence < 1:
+            raise ValueError(f"confidence={confidence!r}: must be in (0, 1)")
+        self.slo = slo
+        self.confidence = confidence
+
+    def begin(self) -> None:
+        return None
+
+    def end(
+        self,
+        token: Any,
+        *,
+        start_s: float,
+        end_s: float,
+        records: Sequence[RequestRecord] | None = None,
+    ) -> Observation:
+        if records is None:
+            raise TypeError(
+                "ClientWindow.end needs records=: the load generator's records of the run "
+                "(pass them where needs_client_records is set)"
+            )
+        run = LoadResult(start_s=start_s, end_s=end_s, records=tuple(records))
+        obs = client_observation(run.between(start_s, end_s), self.slo, confidence=self.confidence)
+        return replace(
+            obs,
+            source="client (metrics profile 'client')",
+            note="latencies as the load generator saw them: network and proxy included",
+        )
+
+
 def _duration_s(text: str) -> float | None:
     """A Prometheus duration (``5s``, ``1m30s``, ``500ms``) in seconds; None if not one."""
     import re
@@ -157,11 +204,6 @@ def _duration_s(text: str) -> float | None:
     if not parts or "".join(n + u for n, u in parts) != text:
         return None
     return sum(int(n) * units[u] for n, u in parts)
-
-
-def _quote(value: str) -> str:
-    """A PromQL label value inside double quotes."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _transient(fn: Any) -> Any:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from metrics.observation import Observation, Percentiles, Slo
+from metrics.observation import Observation, Percentiles, Slo, SloVerdict
 from metrics.quantile import histogram_quantile
 from metrics.samples import exact_quantile, verdict_from_histogram, verdict_from_samples
 
@@ -39,7 +40,7 @@ def observation_from_histograms(
     slo: Slo,
     start_s: float,
     end_s: float,
-    met: float,
+    met: float | None,
     missed: float,
     rejected: float = 0.0,
     generated_tokens: float = 0.0,
@@ -56,9 +57,12 @@ def observation_from_histograms(
     """An Observation from a window's counter increases and cumulative bucket increases.
 
     Counts may be non-whole (a PromQL ``increase`` is extrapolated): they are rounded to the
-    nearest whole request. Goodput is the ``slo_met="true"`` count over the window. The SLO
-    quantile's estimate is the histogram's (or the ``*_estimate_s`` given, e.g. computed by
-    Prometheus); the verdict is on the exact count above the threshold when it is a bound.
+    nearest whole request. Goodput is the ``slo_met="true"`` count (``met``) over the window;
+    ``met=None`` says the server has no such count (``missed`` is then every completion) and
+    the Observation is marked ``slo_met_known=False``. The SLO quantile's estimate is the
+    histogram's (or the ``*_estimate_s`` given, e.g. computed by Prometheus); the verdict is
+    on the exact count above the threshold when it is a bound, else bracketed, and the note
+    says so when the bracket holds requests (a coarse layout such as vLLM's).
     A missing histogram gives NaN percentiles and an INSUFFICIENT verdict, never a number.
     """
     q = slo.quantile
@@ -66,7 +70,14 @@ def observation_from_histograms(
     tpot = tpot_buckets or {}
     ttft_est = histogram_quantile(q, ttft) if ttft_estimate_s is None else ttft_estimate_s
     tpot_est = histogram_quantile(q, tpot) if tpot_estimate_s is None else tpot_estimate_s
-    n_met, n_missed = _whole("met", met), _whole("missed", missed)
+    n_met = 0 if met is None else _whole("met", met)
+    n_missed = _whole("missed", missed)
+    ttft_v = verdict_from_histogram(ttft, slo.ttft_p99_s, ttft_est, q=q, confidence=confidence)
+    tpot_v = verdict_from_histogram(tpot, slo.tpot_p99_s, tpot_est, q=q, confidence=confidence)
+    notes = [note] if note else []
+    notes += [w for w in (_bracket_note("TTFT", ttft_v), _bracket_note("TPOT", tpot_v)) if w]
+    if met is None:
+        notes.append("the server counts no SLO-met requests: goodput from the client's records")
     return Observation(
         start_s=start_s,
         end_s=end_s,
@@ -76,17 +87,46 @@ def observation_from_histograms(
         generated_tokens=_whole("generated_tokens", generated_tokens),
         ttft=percentiles_from_histogram(ttft),
         tpot=percentiles_from_histogram(tpot),
-        ttft_verdict=verdict_from_histogram(
-            ttft, slo.ttft_p99_s, ttft_est, q=q, confidence=confidence
-        ),
-        tpot_verdict=verdict_from_histogram(
-            tpot, slo.tpot_p99_s, tpot_est, q=q, confidence=confidence
-        ),
+        ttft_verdict=ttft_v,
+        tpot_verdict=tpot_v,
         staleness_s=staleness_s,
         stale=stale,
         source=source,
-        note=note,
+        note="; ".join(notes),
+        slo_met_known=met is not None,
     )
+
+
+def _bracket_note(what: str, v: SloVerdict) -> str:
+    """Words for a verdict whose threshold lies inside a bucket that holds requests."""
+    if v.bracket_s is None or v.samples == 0:
+        return ""
+    lo, hi = v.bracket_s
+    ex_lo, ex_hi = v.exceed_fraction_lower, v.exceed_fraction_upper
+    if not ex_hi > ex_lo:
+        return ""
+    return (
+        f"{what} p99 verdict bracketed: the SLO {v.threshold_s:g}s lies inside the bucket "
+        f"({lo:g}, {hi:g}]s, so the count above it is only known to a range"
+    )
+
+
+def with_client_goodput(server: Observation, client: Observation) -> Observation:
+    """The server's Observation with goodput taken from the client's records of the same
+    window, for a server that cannot count SLO-met requests (``slo_met_known`` False).
+
+    ``slo_met`` is the client's count, capped at the server's completions; the note says
+    where it came from (the client's latencies include the network). An Observation that
+    already knows its goodput is returned as is.
+    """
+    if server.slo_met_known:
+        return server
+    if not client.slo_met_known:
+        raise ValueError("the client Observation does not know its goodput either")
+    met = min(client.slo_met, server.completed)
+    why = f"goodput from the client's records ({client.slo_met} of {client.completed} met)"
+    kept = [n for n in server.note.split("; ") if n and "goodput from the client" not in n]
+    return replace(server, slo_met=met, slo_met_known=True, note="; ".join([*kept, why]))
 
 
 def observation_from_requests(

@@ -76,18 +76,36 @@ NEAR_SPAN = 1.35
 _PROM_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
-def exported(name: str, *, prefix: str = RAY_PREFIX) -> str:
-    """The family name under which an emitted metric is read: ``prefix + name``.
+# Ray's metric API takes no ':' in a name: vLLM's Ray stat logger replaces every character
+# outside [a-zA-Z0-9_] with '_' before registering (vllm-project/vllm,
+# vllm/v1/metrics/ray_wrappers.py, ``_get_sanitized_opentelemetry_name``), and Ray's
+# export port then prefixes the namespace ``ray_``: vllm:time_to_first_token_seconds is
+# read there as ray_vllm_time_to_first_token_seconds.
+_RAY_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
-    ``prefix`` is ``"ray_"`` on Ray's metrics export port (the default) and ``""`` for a
-    plain prometheus_client exporter. This is the one place that mapping lives.
+
+def read_as(name: str, *, prefix: str) -> str:
+    """The name under which a metric emitted as ``name`` is read at an endpoint.
+
+    ``prefix=""``: as emitted (a plain prometheus_client exporter). Any other prefix (Ray's
+    ``"ray_"``): characters Ray does not allow become ``_``, then the prefix goes in front.
+    This is the one place that mapping lives, for every metrics profile.
     """
-    if not name.startswith(PREFIX):
-        raise ValueError(f"metric name {name!r} must start with {PREFIX!r}")
-    full = prefix + name
+    full = prefix + _RAY_UNSAFE.sub("_", name) if prefix else name
     if not _PROM_NAME.fullmatch(full):
         raise ValueError(f"prefix {prefix!r}: {full!r} is not a valid Prometheus metric name")
     return full
+
+
+def exported(name: str, *, prefix: str = RAY_PREFIX) -> str:
+    """The family name under which one of slotune's own metrics is read: ``prefix + name``.
+
+    ``prefix`` is ``"ray_"`` on Ray's metrics export port (the default) and ``""`` for a
+    plain prometheus_client exporter (:func:`read_as`).
+    """
+    if not name.startswith(PREFIX):
+        raise ValueError(f"metric name {name!r} must start with {PREFIX!r}")
+    return read_as(name, prefix=prefix)
 
 
 def counter_samples(name: str, *, prefix: str = RAY_PREFIX) -> tuple[str, ...]:
@@ -97,13 +115,13 @@ def counter_samples(name: str, *, prefix: str = RAY_PREFIX) -> tuple[str, ...]:
     renders counters through it), but an exporter that appends ``_total`` to every counter
     would show ``..._total_total``: readers take the first of these that has any series.
     """
-    full = exported(name, prefix=prefix)
+    full = read_as(name, prefix=prefix)
     return (full, full + "_total")
 
 
 def histogram_samples(name: str, *, prefix: str = RAY_PREFIX) -> tuple[str, str, str]:
     """``(_bucket, _count, _sum)`` sample names of an exported histogram."""
-    full = exported(name, prefix=prefix)
+    full = read_as(name, prefix=prefix)
     return (full + "_bucket", full + "_count", full + "_sum")
 
 

@@ -69,6 +69,10 @@ class SloVerdict:
     # Upper confidence bound on the fraction of samples above the threshold.
     exceed_fraction_upper: float = math.nan
     exceed_fraction_lower: float = math.nan
+    # The histogram bucket (lower, upper bound) the threshold lies strictly inside, when it
+    # is not a bound: the count above it is then only known to a range, and the verdict
+    # takes the side that cannot flatter it. None when exact (a bound, or raw samples).
+    bracket_s: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +100,11 @@ class Observation:
     stale: bool = False
     source: str = ""
     note: str = ""  # why the window is stale or thin, in words (empty when all is well)
+    # False when the source cannot tell which requests met the SLO: a server with no
+    # SLO-labelled completion counter (vLLM, SGLang). ``slo_met`` is then 0 and
+    # ``goodput_rps`` NaN: goodput must come from the client's own records
+    # (``metrics.build.with_client_goodput``).
+    slo_met_known: bool = True
 
     @property
     def window_s(self) -> float:
@@ -103,7 +112,10 @@ class Observation:
 
     @property
     def goodput_rps(self) -> float:
-        """Completed requests per second that met both the TTFT and the TPOT SLO."""
+        """Completed requests per second that met both the TTFT and the TPOT SLO (NaN when
+        the source cannot tell: ``slo_met_known`` is False)."""
+        if not self.slo_met_known:
+            return math.nan
         return self.slo_met / self.window_s if self.window_s > 0 else math.nan
 
     @property

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 import numpy as np
 from scipy import stats
@@ -207,7 +208,8 @@ def verdict_from_histogram(
     """Verdict from cumulative bucket counts (keyed by upper bound, +Inf included).
 
     Exact when the threshold is a bucket bound. Otherwise the count above it is bracketed by
-    the neighbouring bounds and the verdict uses the side that cannot flatter it. Counts
+    the neighbouring bounds (named in the verdict's ``bracket_s``) and the verdict uses the
+    side that cannot flatter it. Counts
     that are not whole (a PromQL ``increase`` is extrapolated) are rounded to the nearest.
     """
     inf_count = buckets.get(math.inf)
@@ -223,7 +225,7 @@ def verdict_from_histogram(
     le_upper = round(min(at_or_above))
     le_lower = min(le_lower, le_upper, total)
     le_upper = min(le_upper, total)
-    return verdict_from_counts(
+    v = verdict_from_counts(
         total,
         total - le_upper,
         threshold_s,
@@ -232,3 +234,8 @@ def verdict_from_histogram(
         confidence=confidence,
         above_at_most=total - le_lower,
     )
+    if threshold_s in buckets:
+        return v
+    lo = max((b for b in buckets if b < threshold_s), default=0.0)
+    hi = min(b for b in buckets if b > threshold_s)  # +Inf at least
+    return replace(v, bracket_s=(lo, hi))

@@ -1,7 +1,8 @@
 """Where Observations come from: a direct scrape (the embedded default) or Prometheus's API.
 
-Both read the families of ``metrics.names`` under ``names.exported(name, prefix=...)``,
-sum across every replica/label set that matches ``selector``, and agree on the same data
+Both read the families a metrics profile names (``metrics.profiles``: slotune's own by
+default, or vLLM's, SGLang's) under ``names.read_as(name, prefix=...)``, sum across every
+replica/label set that matches ``selector``, and agree on the same data
 (``tests/metrics/test_sources_prometheus.py``). Failures are typed (``metrics.errors``) or
 an Observation marked ``stale`` with a ``note`` — never a crash, never a made-up number.
 """
@@ -21,17 +22,28 @@ from metrics import names
 from metrics.build import observation_from_histograms
 from metrics.errors import MalformedExposition, MetricsUnavailable, QueryRejected
 from metrics.observation import Observation, Slo
+from metrics.profiles import SLOTUNE, MetricsProfile
 from metrics.snapshot import Snapshot, bucket_window, counter_window, parse_exposition
 
 logger = logging.getLogger(__name__)
 
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-REQUIRED = (names.REQUESTS_TOTAL, names.TTFT_SECONDS, names.TPOT_SECONDS)
 
 
 def _check_common(
-    url: str, selector: Mapping[str, str] | None, timeout_s: float, confidence: float
+    url: str,
+    selector: Mapping[str, str] | None,
+    timeout_s: float,
+    confidence: float,
+    profile: MetricsProfile,
+    prefix: str,
 ) -> dict[str, str]:
+    if not profile.server_side:
+        raise ValueError(
+            f"metrics profile {profile.name!r} has no server metrics: build the window's "
+            "Observation from the load generator's records instead"
+        )
+    names.read_as(profile.completed[0], prefix=prefix)  # validates the prefix
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"url={url!r}: must start with http:// or https://")
     if not (math.isfinite(timeout_s) and timeout_s > 0):
@@ -47,6 +59,15 @@ def _check_common(
     return sel
 
 
+def _split_completed(
+    by_label: Mapping[str, float], profile: MetricsProfile, notes: list[str]
+) -> tuple[float | None, float]:
+    met, missed = profile.split_completed(by_label)
+    if met is not None:
+        met = _count("met", met, notes)
+    return met, _count("missed" if profile.counts_slo_met else "completed", missed, notes)
+
+
 def _get(client: httpx.Client, url: str, params: Mapping[str, str] | None = None) -> httpx.Response:
     try:
         return client.get(url, params=params)
@@ -60,8 +81,9 @@ class ScrapeSource:
     """Reads a Prometheus text endpoint directly: Ray's metrics export port or any /metrics.
 
     ``prefix`` is ``"ray_"`` for Ray's export port and ``""`` (the default) for a plain
-    prometheus_client exporter. Recent snapshots are kept (``snapshots``) so
-    :meth:`observe_recent` can answer for "the last ``window_s`` seconds".
+    prometheus_client exporter; ``profile`` names the families (slotune's by default).
+    Recent snapshots are kept (``snapshots``) so :meth:`observe_recent` can answer for
+    "the last ``window_s`` seconds".
     """
 
     def __init__(
@@ -69,6 +91,7 @@ class ScrapeSource:
         url: str,
         *,
         slo: Slo,
+        profile: MetricsProfile = SLOTUNE,
         prefix: str = "",
         selector: Mapping[str, str] | None = None,
         timeout_s: float = 5.0,
@@ -79,9 +102,9 @@ class ScrapeSource:
     ) -> None:
         self.url = url
         self.slo = slo
+        self.profile = profile
         self.prefix = prefix
-        self.selector = _check_common(url, selector, timeout_s, confidence)
-        names.exported(names.REQUESTS_TOTAL, prefix=prefix)  # validates the prefix
+        self.selector = _check_common(url, selector, timeout_s, confidence, profile, prefix)
         self.confidence = confidence
         self.max_staleness_s = max_staleness_s
         self.clock = clock
@@ -124,48 +147,43 @@ class ScrapeSource:
 
     def observe(self, start: Snapshot, end: Snapshot) -> Observation:
         """The Observation of the window from ``start`` to the later ``end`` snapshot."""
-        p, sel = self.prefix, self.selector
-        source = f"scrape {self.url}"
-        notes: list[str] = []
+        prof, p, sel = self.profile, self.prefix, self.selector
+        notes: list[str] = []  # what makes the window stale
         staleness = max(0.0, self.clock() - end.time_s)
+        samples = prof.counter_samples
         req = counter_window(
-            start, end, names.counter_samples(names.REQUESTS_TOTAL, prefix=p), sel,
-            by=names.LABEL_SLO_MET,
-        )  # fmt: skip
-        tok = counter_window(
-            start, end, names.counter_samples(names.GENERATED_TOKENS_TOTAL, prefix=p), sel
+            start, end, samples(prof.completed, prefix=p), sel, by=prof.completed_by or None
         )
-        rej = counter_window(start, end, names.counter_samples(names.REJECTED_TOTAL, prefix=p), sel)
-        ttft = bucket_window(
-            start, end, names.histogram_samples(names.TTFT_SECONDS, prefix=p)[0], sel
+        tok = counter_window(start, end, samples(prof.generated_tokens, prefix=p), sel)
+        rej = counter_window(start, end, samples(prof.rejected, prefix=p), sel)
+        (_, ttft), (tpot_family, tpot) = (
+            self._histogram(start, end, fams) for fams in (prof.ttft, prof.tpot)
         )
-        tpot = bucket_window(
-            start, end, names.histogram_samples(names.TPOT_SECONDS, prefix=p)[0], sel
-        )
+        wanted = (prof.completed[0], prof.ttft[0], prof.tpot[0])
         missing = [
-            names.exported(n, prefix=p)
-            for n, v in zip(REQUIRED, (req, ttft, tpot), strict=True)
+            names.read_as(n, prefix=p)
+            for n, v in zip(wanted, (req, ttft, tpot), strict=True)
             if v is None
         ]
         if missing:
             notes.append(f"missing from {self.url}: {', '.join(missing)}")
-            present = sorted(n for n in end.samples if "slotune" in n)[:6]
+            present = sorted(n for n in end.samples if prof.name in n)[:6]
             logger.warning(
-                "%s: no %s (prefix=%r; slotune samples present: %s)",
-                self.url, missing, p, present or "none",
+                "%s: no %s (profile=%s, prefix=%r; %s samples present: %s)",
+                self.url, missing, prof.name, p, prof.name, present or "none",
             )  # fmt: skip
         window = end.time_s - start.time_s
         if window <= 0:
             notes.append("empty window: the two snapshots are the same scrape")
         if staleness > self.max_staleness_s:
             notes.append(f"newest scrape is {staleness:.1f}s old (> {self.max_staleness_s}s)")
-        req = req or {}
+        met, missed = _split_completed(req or {}, prof, notes)
         return observation_from_histograms(
             slo=self.slo,
             start_s=start.time_s,
             end_s=end.time_s,
-            met=_count("met", req.get("true", 0.0), notes),
-            missed=_count("missed", sum(v for k, v in req.items() if k != "true"), notes),
+            met=met,
+            missed=missed,
             rejected=_count("rejected", sum((rej or {}).values()), notes),
             generated_tokens=_count("generated_tokens", sum((tok or {}).values()), notes),
             ttft_buckets=ttft,
@@ -173,9 +191,20 @@ class ScrapeSource:
             confidence=self.confidence,
             staleness_s=staleness,
             stale=bool(notes),
-            source=source,
-            note="; ".join(notes),
+            source=f"scrape {self.url} ({prof.name})",
+            note="; ".join(x for x in [*notes, prof.tpot_remark(tpot_family)] if x),
         )
+
+    def _histogram(
+        self, start: Snapshot, end: Snapshot, families: tuple[str, ...]
+    ) -> tuple[str | None, dict[float, float] | None]:
+        """The first of ``families`` present at ``end`` and its bucket increases."""
+        for fam in families:
+            bucket = names.histogram_samples(fam, prefix=self.prefix)[0]
+            got = bucket_window(start, end, bucket, self.selector)
+            if got is not None:
+                return fam, got
+        return None, None
 
 
 def _label_matchers(selector: Mapping[str, str]) -> str:
@@ -185,13 +214,23 @@ def _label_matchers(selector: Mapping[str, str]) -> str:
     return ",".join(f'{k}="{esc(v)}"' for k, v in sorted(selector.items()))
 
 
+def counter_selector(families: tuple[str, ...], *, prefix: str, selector: Mapping[str, str]) -> str:
+    """A PromQL series selector of a counter under every name it may be exposed as
+    (``MetricsProfile.counter_samples``), restricted to ``selector``'s labels."""
+    samples = MetricsProfile.counter_samples(families, prefix=prefix)
+    alts = "|".join(re.escape(n) for n in samples)
+    extra = _label_matchers(selector)
+    return f'{{__name__=~"{alts}"{"," + extra if extra else ""}}}'
+
+
 class PromQLSource:
     """The same Observation from a Prometheus server's HTTP API (``/api/v1/query``).
 
     For production, where Prometheus already scrapes every replica on every node. Quantiles
     are Prometheus's own ``histogram_quantile(q, sum by (le) (rate(<h>_bucket{sel}[w])))``;
     counts are ``sum(increase(...[w]))`` (extrapolated to the window by Prometheus, then
-    rounded to whole requests); goodput is the ``slo_met="true"`` count over the window.
+    rounded to whole requests); goodput is the ``slo_met="true"`` count over the window
+    (unknown, for :class:`ScrapeSource` too, under a profile whose server has no such label).
 
     As with any PromQL ``increase()``, a series born inside the window (an exporter that
     creates a labelled series at its first increment, e.g. ``slo_met="false"``) loses the
@@ -204,6 +243,7 @@ class PromQLSource:
         url: str,
         *,
         slo: Slo,
+        profile: MetricsProfile = SLOTUNE,
         prefix: str = "ray_",
         selector: Mapping[str, str] | None = None,
         timeout_s: float = 5.0,
@@ -213,9 +253,9 @@ class PromQLSource:
     ) -> None:
         self.url = url.rstrip("/")
         self.slo = slo
+        self.profile = profile
         self.prefix = prefix
-        self.selector = _check_common(url, selector, timeout_s, confidence)
-        names.exported(names.REQUESTS_TOTAL, prefix=prefix)  # validates the prefix
+        self.selector = _check_common(url, selector, timeout_s, confidence, profile, prefix)
         self.confidence = confidence
         self.max_staleness_s = max_staleness_s
         self.clock = clock
@@ -244,10 +284,8 @@ class PromQLSource:
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise MetricsUnavailable(f"{api}: malformed result for {expr!r}") from e
 
-    def _counter_sel(self, name: str) -> str:
-        alts = "|".join(re.escape(n) for n in names.counter_samples(name, prefix=self.prefix))
-        extra = _label_matchers(self.selector)
-        return f'{{__name__=~"{alts}"{"," + extra if extra else ""}}}'
+    def _counter_sel(self, families: tuple[str, ...]) -> str:
+        return counter_selector(families, prefix=self.prefix, selector=self.selector)
 
     def _bucket_sel(self, name: str) -> str:
         bucket = names.histogram_samples(name, prefix=self.prefix)[0]
@@ -259,48 +297,53 @@ class PromQLSource:
             raise ValueError(f"window_s={window_s!r}: must be at least 0.001 seconds")
         end = self.clock() if end_s is None else end_s
         w = f"[{round(window_s * 1000)}ms]"
+        prof = self.profile
         notes: list[str] = []
-        reqs = self._counter_sel(names.REQUESTS_TOTAL)
+        reqs = self._counter_sel(prof.completed)
         newest = self.query(f"max(timestamp({reqs}))", at=end)
         if newest:
             staleness = max(0.0, end - newest[0][1])
         else:
             staleness = math.inf
             notes.append(
-                f"no series {names.exported(names.REQUESTS_TOTAL, prefix=self.prefix)}"
+                f"no series {names.read_as(prof.completed[0], prefix=self.prefix)}"
                 f"{{{_label_matchers(self.selector)}}} in Prometheus at {self.url}"
             )
         if math.isfinite(staleness) and staleness > self.max_staleness_s:
             notes.append(f"newest sample is {staleness:.1f}s old (> {self.max_staleness_s}s)")
-        by_met = {
-            lab.get(names.LABEL_SLO_MET, ""): v
+        by = prof.completed_by
+        by_label = {
+            lab.get(by, ""): v
             for lab, v in self.query(
-                f"sum by ({names.LABEL_SLO_MET}) (increase({reqs}{w}))", at=end
+                f"sum by ({by}) (increase({reqs}{w}))" if by else f"sum(increase({reqs}{w}))",
+                at=end,
             )
         }
-        tokens = self.query(
-            f"sum(increase({self._counter_sel(names.GENERATED_TOKENS_TOTAL)}{w}))", at=end
-        )
-        rejected = self.query(
-            f"sum(increase({self._counter_sel(names.REJECTED_TOTAL)}{w}))", at=end
-        )
+        tokens = self._increase(prof.generated_tokens, w, end)
+        rejected = self._increase(prof.rejected, w, end)
         hist: dict[str, dict[float, float]] = {}
         est: dict[str, float] = {}
-        for key, name in (("ttft", names.TTFT_SECONDS), ("tpot", names.TPOT_SECONDS)):
-            inc = f"sum by (le) (increase({self._bucket_sel(name)}{w}))"
-            hist[key] = {}
-            for lab, v in self.query(inc, at=end):
+        family: dict[str, str | None] = {}
+        for key, fams in (("ttft", prof.ttft), ("tpot", prof.tpot)):
+            family[key], hist[key] = None, {}
+            for fam in fams:  # the first family Prometheus holds in the window
+                got = self.query(f"sum by (le) (increase({self._bucket_sel(fam)}{w}))", at=end)
+                if got:
+                    family[key] = fam
+                    break
+            for lab, v in got:
                 if "le" in lab:  # le="1" and le="1.0" are one bound, as PromQL merges them
                     b = float(lab["le"])
                     hist[key][b] = hist[key].get(b, 0.0) + v
-            rate = f"sum by (le) (rate({self._bucket_sel(name)}{w}))"
-            res = self.query(f"histogram_quantile({self.slo.quantile!r}, {rate})", at=end)
-            est[key] = res[0][1] if res else math.nan
+            est[key] = math.nan
+            if family[key] is not None:
+                rate = f"sum by (le) (rate({self._bucket_sel(family[key])}{w}))"
+                res = self.query(f"histogram_quantile({self.slo.quantile!r}, {rate})", at=end)
+                est[key] = res[0][1] if res else math.nan
+        met, missed = _split_completed(by_label, prof, notes)
         counts = {
-            "met": _count("met", by_met.get("true", 0.0), notes),
-            "missed": _count("missed", sum(v for k, v in by_met.items() if k != "true"), notes),
-            "rejected": _count("rejected", rejected[0][1] if rejected else 0.0, notes),
-            "tokens": _count("generated_tokens", tokens[0][1] if tokens else 0.0, notes),
+            "rejected": _count("rejected", rejected, notes),
+            "tokens": _count("generated_tokens", tokens, notes),
         }
         stale = bool(notes)
         if not hist["ttft"] and not stale:
@@ -310,8 +353,8 @@ class PromQLSource:
             slo=self.slo,
             start_s=end - window_s,
             end_s=end,
-            met=counts["met"],
-            missed=counts["missed"],
+            met=met,
+            missed=missed,
             rejected=counts["rejected"],
             generated_tokens=counts["tokens"],
             ttft_buckets=hist["ttft"],
@@ -319,11 +362,18 @@ class PromQLSource:
             confidence=self.confidence,
             staleness_s=staleness,
             stale=stale,
-            source=f"promql {self.url}",
-            note="; ".join(notes),
+            source=f"promql {self.url} ({prof.name})",
+            note="; ".join(x for x in [*notes, prof.tpot_remark(family["tpot"])] if x),
             ttft_estimate_s=est["ttft"],
             tpot_estimate_s=est["tpot"],
         )
+
+    def _increase(self, families: tuple[str, ...], w: str, end: float) -> float:
+        """``sum(increase(...))`` of a counter over the window; 0 when it has no series."""
+        if not families:
+            return 0.0
+        got = self.query(f"sum(increase({self._counter_sel(families)}{w}))", at=end)
+        return got[0][1] if got else 0.0
 
 
 def _count(name: str, v: float, notes: list[str]) -> float:
