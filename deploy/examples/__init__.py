@@ -1,0 +1,1 @@
+"""Runnable deployments that are not slotune's own server, for slotune to tune."""

@@ -1,0 +1,1 @@
+"""Tests of the deployment examples under deploy/examples."""
