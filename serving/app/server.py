@@ -10,6 +10,9 @@ serving/app/config.py.
 Routes (relative to the route prefix):
 
 - ``POST /v1/completions``: OpenAI completions, SSE with ``stream: true``.
+- ``POST /v1/chat/completions``: OpenAI chat completions (the plain chat template of
+  serving/model/tokenizer.py), SSE with ``stream: true``. Which request fields are
+  honoured, accepted at their default only, or ignored: serving/app/openai_request.py.
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while the engine's step loop is alive.
 - ``GET /stats``: engine stats, pid, the applied live config, and what the process
@@ -36,6 +39,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -44,6 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from metrics import names
 from serving.app import openai_api as oa
+from serving.app import openai_request as oreq
 from serving.app.admission import Admission, Overloaded, Ticket
 from serving.app.config import (
     DEFAULT_MAX_ONGOING_REQUESTS,
@@ -55,6 +60,8 @@ from serving.app.config import (
     set_omp_wait_policy,
 )
 from serving.app.serve_metrics import GaugeRefresher, ServeMetrics
+from serving.app.text_output import TextOutput
+from serving.scheduler.plan import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +118,7 @@ class CompletionServer:
         self.max_request_bytes = self.args.request_bytes_limit(context)
         self.max_prompt_chars = context * self.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
         self.admission = Admission()
-        eos = getattr(self.tokenizer, "eos_id", None)
-        self.stop_ids: tuple[int, ...] = () if eos is None else (eos,)
+        self.eos_id: int | None = getattr(self.tokenizer, "eos_id", None)
         self.engine.start()
         ctx = serve.get_replica_context()
         self._kv_key = f"{ctx.app_name}/{ctx.replica_tag}".encode()
@@ -232,10 +238,10 @@ class CompletionServer:
             path = path[len(root) :] or "/"
         path = path.rstrip("/") or "/"
         method = request.method
-        if path == "/v1/completions":
+        if path in ("/v1/completions", "/v1/chat/completions"):
             if method != "POST":
                 return _json_error(oa.ApiError(f"{method} {path}: use POST", status=405))
-            return await self._completions(request)
+            return await self._completions(request, chat=path == "/v1/chat/completions")
         if method != "GET":
             return _json_error(oa.ApiError(f"{method} {path}: not allowed", status=405))
         if path == "/v1/models":
@@ -247,18 +253,27 @@ class CompletionServer:
             return JSONResponse(self.stats())
         return _json_error(oa.ApiError(f"no route {path}", status=404, type="not_found"))
 
-    async def _completions(self, request: Request) -> Response:
+    async def _completions(self, request: Request, *, chat: bool) -> Response:
         try:
             raw = await self._read_body(request)
             arrival = self.engine.engine.clock()  # the engine's clock: its TTFT starts here
             body = oa.parse_json_body(raw)
             del raw
-            req = oa.parse_completion_request(body, served_model=self.args.served_name)
+            parse = oreq.parse_chat_request if chat else oreq.parse_completion_request
+            req = parse(body, served_model=self.args.served_name)
             prompt_ids = await self._prompt_ids(req)
+            max_tokens = req.max_tokens
+            if max_tokens is None:  # chat without a limit: what the context leaves
+                max_tokens = max(1, self.engine.engine.scheduler.config.max_len - len(prompt_ids))
             try:
-                self.engine.validate(prompt_ids, req.max_tokens)
+                self.engine.validate(prompt_ids, max_tokens)
             except ValueError as e:
                 raise oa.ApiError(str(e), param="prompt") from None
+            if req.min_tokens > max_tokens:
+                raise oa.ApiError(
+                    f"min_tokens={req.min_tokens}: must be at most max_tokens={max_tokens}",
+                    param="min_tokens",
+                )
         except oa.ApiError as e:
             self.metrics.record_rejected(
                 names.REASON_BAD_REQUEST if e.status != 413 else names.REASON_TOO_LARGE
@@ -273,15 +288,51 @@ class CompletionServer:
         except BaseException as e:  # the client left while queued: accepted, not completed
             self._record_aborted(e, arrival, None, 0)
             raise
-        cid = oa.new_completion_id()
+        job = _Job(
+            req=req,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            cid=oa.new_completion_id(chat=chat),
+            arrival=arrival,
+            stop_ids=self._stop_ids(req),
+        )
         if req.stream:
-            return StreamingResponse(
-                self._stream(req, prompt_ids, cid, ticket, arrival), media_type=oa.SSE_MEDIA_TYPE
-            )
+            return StreamingResponse(self._stream(job, ticket), media_type=oa.SSE_MEDIA_TYPE)
         try:
-            return await self._complete(req, prompt_ids, cid, arrival)
+            return await self._complete(job)
         finally:
             ticket.release()
+
+    def _stop_ids(self, req: oreq.CompletionRequest) -> frozenset[int]:
+        """The ids that end ``req``: the tokenizer's EOS unless ``ignore_eos``, and its
+        ``stop_token_ids`` (vLLM's ``ignore_eos`` leaves ``stop_token_ids`` in force)."""
+        eos = () if req.ignore_eos or self.eos_id is None else (self.eos_id,)
+        return frozenset(eos + req.stop_token_ids)
+
+    def _output(self, job: _Job) -> TextOutput:
+        return TextOutput(
+            decode=self.tokenizer.decode,
+            stop_ids=job.stop_ids,
+            stop=job.req.stop,
+            include_stop_str=job.req.include_stop_str_in_output,
+            min_tokens=job.req.min_tokens,
+        )
+
+    def _record_stop_string(self, job: _Job, output: TextOutput, first: float | None) -> None:
+        """A stop string ended the request: the engine request was aborted, so the engine
+        reports no timing; record the handler's view of it (first and last token as the
+        handler got them; no queue wait) as a completed request."""
+        now = self.engine.engine.clock()
+        timing = RequestTiming(
+            request_id=job.cid,
+            arrival_s=job.arrival,
+            admitted_s=math.nan,
+            first_token_s=now if first is None else first,
+            last_token_s=now,
+            prompt_tokens=len(job.prompt_ids),
+            generated_tokens=output.tokens,
+        )
+        self._on_finish(timing)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused (413) past ``max_request_bytes`` before it is read: from its
@@ -305,7 +356,7 @@ class CompletionServer:
             raise oa.ApiError("the client disconnected before its body arrived") from None
         return b"".join(chunks)
 
-    async def _prompt_ids(self, req: oa.CompletionRequest) -> list[int]:
+    async def _prompt_ids(self, req: oreq.CompletionRequest) -> list[int]:
         """Token ids of the prompt; a text too long for the context by its length alone is
         refused untokenized, and a long one is tokenized in a worker thread."""
         context = self.engine.engine.scheduler.config.max_len
@@ -330,51 +381,51 @@ class CompletionServer:
         except (ValueError, TypeError) as e:  # UnicodeError is a ValueError
             raise oa.ApiError(f"prompt: cannot be tokenized ({e})", param="prompt") from None
 
-    def _generate(
-        self,
-        req: oa.CompletionRequest,
-        prompt_ids: list[int],
-        cid: str,
-        arrival: float,
-        *,
-        flush_interval_s: float,
-    ):
+    def _generate(self, job: _Job, *, flush_interval_s: float):
         """Lists of token ids as the engine thread hands them over: the first at once,
         then at most one list per ``flush_interval_s``, the end at once."""
         return self.engine.generate_chunks(
-            prompt_ids,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            request_id=cid,
-            stop_ids=self.stop_ids,
+            job.prompt_ids,
+            max_tokens=job.max_tokens,
+            temperature=job.req.temperature,
+            request_id=job.cid,
+            stop_ids=job.stop_ids,
             flush_interval_s=flush_interval_s,
-            arrival_s=arrival,
+            arrival_s=job.arrival,
+            min_tokens=job.req.min_tokens,
         )
 
-    async def _complete(
-        self, req: oa.CompletionRequest, prompt_ids: list[int], cid: str, arrival: float
-    ) -> Response:
-        ids: list[int] = []
-        # aclosing: a cancelled request (client gone) aborts the engine request
-        # and frees its KV slot at once. Nothing is sent before the end: the engine
-        # thread holds the tokens (inf) and wakes this handler only to finish.
-        gen = self._generate(req, prompt_ids, cid, arrival, flush_interval_s=math.inf)
+    async def _complete(self, job: _Job) -> Response:
+        output = self._output(job)
+        text = ""
+        # aclosing: a cancelled request (client gone) or one a stop string ended aborts
+        # the engine request and frees its KV slot at once. Nothing is sent before the
+        # end: the engine thread holds the tokens (inf) and wakes this handler only to
+        # finish (or, with stop strings, the handler reads as they come).
+        interval = self.args.stream_interval_s if job.req.stop else math.inf
+        gen = self._generate(job, flush_interval_s=interval)
         clock, first = self.engine.engine.clock, None
         try:
             async with contextlib.aclosing(gen) as chunks:
                 async for chunk in chunks:
                     first = first or clock()
-                    ids += chunk
+                    text += output.push(chunk)
+                    if output.stopped == "string":
+                        break
         except BaseException as e:
-            self._record_aborted(e, arrival, first, len(ids))
+            self._record_aborted(e, job.arrival, first, output.tokens)
             raise
+        if output.stopped == "string":
+            self._record_stop_string(job, output, first)
+        tail, finish = output.finish(job.max_tokens)
         body = oa.completion_body(
-            completion_id=cid,
+            completion_id=job.cid,
             model=self.args.served_name,
-            text=self.tokenizer.decode(ids),
-            finish=oa.finish_reason(len(ids), req.max_tokens),
+            text=text + tail,
+            finish=finish,
             created=int(time.time()),
-            usage_=oa.usage(len(prompt_ids), len(ids)),
+            usage_=oa.usage(len(job.prompt_ids), output.tokens),
+            chat=job.req.chat,
         )
         return JSONResponse(body)
 
@@ -394,53 +445,61 @@ class CompletionServer:
         except Exception:
             logger.exception("could not record the aborted request")
 
-    async def _stream(
-        self,
-        req: oa.CompletionRequest,
-        prompt_ids: list[int],
-        cid: str,
-        ticket: Ticket,
-        arrival: float,
-    ) -> AsyncIterator[bytes]:
-        # aclosing: a cancelled request (client gone) aborts the engine request
-        # and frees its KV slot at once. The engine thread paces the stream (one
-        # hand-over per stream_interval_s after the first token), so every chunk
-        # that reaches this handler goes out as one event.
-        gen = self._generate(
-            req, prompt_ids, cid, arrival, flush_interval_s=self.args.stream_interval_s
-        )
-        clock, first, count = self.engine.engine.clock, None, [0]
+    async def _stream(self, job: _Job, ticket: Ticket) -> AsyncIterator[bytes]:
+        # aclosing: a cancelled request (client gone) or one a stop string ended aborts
+        # the engine request and frees its KV slot at once. The engine thread paces the
+        # stream (one hand-over per stream_interval_s after the first token), so every
+        # chunk that reaches this handler goes out as one event.
+        gen = self._generate(job, flush_interval_s=self.args.stream_interval_s)
+        clock, first = self.engine.engine.clock, None
+        output = self._output(job)
+        req, cid = job.req, job.cid
 
-        async def counted(chunks: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
+        async def timed(chunks: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
             nonlocal first
             async for chunk in chunks:
                 first = first or clock()
-                count[0] += len(chunk)
                 yield chunk
 
         try:
             async with contextlib.aclosing(gen) as chunks:
                 async for event in oa.sse_completion_stream(
-                    counted(chunks),
-                    decode=self.tokenizer.decode,
+                    timed(chunks),
+                    output=output,
                     completion_id=cid,
                     model=self.args.served_name,
-                    max_tokens=req.max_tokens,
-                    prompt_tokens=len(prompt_ids),
+                    max_tokens=job.max_tokens,
+                    prompt_tokens=len(job.prompt_ids),
+                    chat=req.chat,
                     include_usage=req.include_usage,
+                    continuous_usage=req.continuous_usage,
                     interval_s=0.0,
                     # tokens that end inside a character: the next one at once, so
                     # pacing never holds text (the first included) past its interval
                     on_incomplete=lambda: self.engine.flush_next(cid),
                 ):
+                    if output.stopped == "string" and event.endswith(oa.SSE_DONE):
+                        self._record_stop_string(job, output, first)
                     yield event
         except BaseException as e:
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 logger.info("request %s cancelled (client gone)", cid)
-            self._record_aborted(e, arrival, first, count[0])
+            self._record_aborted(e, job.arrival, first, output.tokens)
             raise
         finally:
             ticket.release()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """An admitted request, as the handlers run it."""
+
+    req: oreq.CompletionRequest
+    prompt_ids: list[int]
+    max_tokens: int  # req.max_tokens, or what the context leaves (chat without a limit)
+    cid: str
+    arrival: float  # engine clock
+    stop_ids: frozenset[int]
 
 
 def _too_large(size: int, limit: int) -> oa.ApiError:

@@ -202,11 +202,14 @@ class AsyncEngine:
         stop_ids: Sequence[int] = (),
         flush_interval_s: float = 0.0,
         arrival_s: float | None = None,
+        min_tokens: int = 0,
     ) -> AsyncIterator[list[int]]:
         """Lists of token ids: all that were handed over since the consumer last ran.
 
         ``arrival_s`` (the engine's clock; None: now) is when the request arrived, for its
         TTFT and queue wait: a server that queued it before handing it over passes it.
+        ``stop_ids`` end the request, and cannot be sampled before ``min_tokens`` tokens
+        (``Engine.add_request``).
 
         ``flush_interval_s`` > 0: the engine thread hands the first token over at
         once, then holds tokens back until ``flush_interval_s`` has passed since the
@@ -229,6 +232,7 @@ class AsyncEngine:
                 request_id=rid,
                 stop_ids=stop_ids,
                 arrival_s=arrival_s,
+                min_tokens=min_tokens,
             )
             self._wake.set()
             while not done:

@@ -152,6 +152,8 @@ class Engine:
         self.tokenizer: Tokenizer = load_tokenizer(checkpoint, vocab_size=self.config.vocab_size)
         self.clock = clock
         self._temps: dict[str, float] = {}
+        # request id -> [tokens still to sample before a stop id may be, the stop ids]
+        self._min_tokens: dict[str, list] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._steps = 0
@@ -181,9 +183,16 @@ class Engine:
         request_id: str | None = None,
         stop_ids: Sequence[int] = (),
         arrival_s: float | None = None,
+        min_tokens: int = 0,
     ) -> str:
-        """Queue a request; returns its id. ValueError on bad input (nothing else changes)."""
+        """Queue a request; returns its id. ValueError on bad input (nothing else changes).
+
+        ``stop_ids`` end the request when sampled; for its first ``min_tokens`` tokens they
+        cannot be sampled (their logits are masked, as vLLM's ``min_tokens`` does:
+        vllm/v1/sample/logits_processor, ``MinTokensLogitsProcessor``)."""
         self.validate(list(prompt_ids), max_tokens, temperature)
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+            raise ValueError(f"min_tokens={min_tokens!r}: must be an integer >= 0")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = SeqRequest(
             request_id=rid,
@@ -196,12 +205,16 @@ class Engine:
         with self._lock:
             self.scheduler.add(req)
             self._temps[rid] = float(temperature)
+            banned = tuple(t for t in req.stop_ids if 0 <= t < self.config.vocab_size)
+            if min_tokens > 0 and banned:
+                self._min_tokens[rid] = [min_tokens, banned]
         return rid
 
     def abort(self, request_id: str) -> bool:
         """Drop a request; its KV slot is free for the next step."""
         with self._lock:
             self._temps.pop(request_id, None)
+            self._min_tokens.pop(request_id, None)
             return self.scheduler.abort(request_id)
 
     def abort_all(self) -> list[str]:
@@ -211,6 +224,7 @@ class Engine:
             for rid in ids:
                 self.scheduler.abort(rid)
             self._temps.clear()
+            self._min_tokens.clear()
             return ids
 
     def set_max_batch_size(self, max_batch_size: int) -> None:
@@ -241,19 +255,35 @@ class Engine:
         """One schedule / execute / update round."""
         with self._lock:
             plan = self.scheduler.schedule(now_s=self.clock())
-            temps = {rid: self._temps.get(rid, 0.0) for rid in plan.sampling_ids()}
-        tokens = self.execute(plan, temps) if not plan.is_empty else {}
+            sampling = plan.sampling_ids()
+            temps = {rid: self._temps.get(rid, 0.0) for rid in sampling}
+            mins = self._min_tokens
+            bans = {rid: mins[rid][1] for rid in sampling if rid in mins} if mins else None
+        tokens = self.execute(plan, temps, bans) if not plan.is_empty else {}
         with self._lock:
             finished = self.scheduler.update(plan, tokens, now_s=self.clock())
+            for rid in bans or ():
+                m = self._min_tokens.get(rid)
+                if m is not None and rid in tokens:
+                    m[0] -= 1
+                    if m[0] <= 0:
+                        del self._min_tokens[rid]
             for f in finished:
                 self._temps.pop(f.request_id, None)
+                self._min_tokens.pop(f.request_id, None)
             self._steps += 1
             self._generated += len(tokens)
         return StepOutput(tokens=tokens, finished=finished, plan=plan)
 
-    def execute(self, plan: StepPlan, temps: dict[str, float]) -> dict[str, int]:
-        """Run the model for one plan (see serving/engine/executor.py)."""
-        return self.executor.execute(plan, temps)
+    def execute(
+        self,
+        plan: StepPlan,
+        temps: dict[str, float],
+        bans: dict[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, int]:
+        """Run the model for one plan (see serving/engine/executor.py); ``bans``: token ids
+        each request may not sample this step."""
+        return self.executor.execute(plan, temps, bans)
 
     # ---- conveniences ----------------------------------------------------------------
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[Finished]:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,8 +40,14 @@ class TorchExecutor:
         self._gen = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, temps: dict[str, float]) -> dict[str, int]:
-        """Run the model for one plan; returns the token each sampling request drew."""
+    def execute(
+        self,
+        plan: StepPlan,
+        temps: dict[str, float],
+        bans: dict[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, int]:
+        """Run the model for one plan; returns the token each sampling request drew
+        (never one of its ``bans``)."""
         rows: list[str] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
@@ -59,7 +66,7 @@ class TorchExecutor:
         if not rows:
             return {}
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [R, V]
-        return draw(rows, all_logits, temps, self._gen)
+        return draw(rows, all_logits, temps, self._gen, bans)
 
     def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:
         entries = sorted(plan.decode, key=lambda e: e.slot)
@@ -107,10 +114,20 @@ def decode_inputs(
 
 
 def draw(
-    rows: list[str], logits: torch.Tensor, temps: dict[str, float], gen: torch.Generator
+    rows: list[str],
+    logits: torch.Tensor,
+    temps: dict[str, float],
+    gen: torch.Generator,
+    bans: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, int]:
     """The host work after a forward: sample one token per row of ``logits`` [R, V]
-    (fp32) at each request's temperature and hand them back to Python."""
+    (fp32) at each request's temperature and hand them back to Python. ``bans``: ids a
+    request may not sample (its logits become -inf in place: ``min_tokens``)."""
+    if bans:
+        r_idx = [i for i, r in enumerate(rows) for _ in bans.get(r, ())]
+        v_idx = [t for r in rows for t in bans.get(r, ())]
+        if r_idx:
+            logits[r_idx, v_idx] = -math.inf  # [R, V] at the banned (row, id) pairs
     tl = [temps.get(r, 0.0) for r in rows]
     t = torch.tensor(tl, device=logits.device)  # [R]
     drawn = sample(logits, t, gen, any_hot=any(x > 0 for x in tl)).tolist()

@@ -9,12 +9,17 @@
   directory, read with the ``tokenizers`` library (pure local file, no network).
   ``tokenizers`` is optional: without it a checkpoint's tokenizer is ignored
   with a warning and the byte-level tokenizer is used.
+
+:func:`render_chat` is the plain chat template ``/v1/chat/completions`` uses with every
+tokenizer (a checkpoint's own Jinja template is not read): one ``"{role}: {content}\n"``
+line per message, then ``"assistant: "`` for the model to continue.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -78,6 +83,17 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+CHAT_GENERATION_PROMPT = "assistant: "
+
+
+def render_chat(messages: Sequence[tuple[str, str]], *, generation_prompt: bool = True) -> str:
+    """The plain chat template: ``"{role}: {content}\n"`` per (role, content), then
+    :data:`CHAT_GENERATION_PROMPT` unless ``generation_prompt`` is false (vLLM's
+    ``add_generation_prompt``)."""
+    text = "".join(f"{role}: {content}\n" for role, content in messages)
+    return text + CHAT_GENERATION_PROMPT if generation_prompt else text
 
 
 def _first_id(v: object) -> int | None:

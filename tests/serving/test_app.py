@@ -20,16 +20,18 @@ import pytest
 from metrics import names
 from metrics.observation import DEFAULT_SLO, Slo
 from serving.app import openai_api as oa
+from serving.app import openai_request as oreq
 from serving.app.config import LiveConfig, ServerArgs
 from serving.app.serve_metrics import BucketLayout, GaugeRefresher, ServeMetrics
+from serving.app.text_output import IncrementalDecoder, TextOutput
 
 # -- request parsing ------------------------------------------------------------
 
 MODEL = "slotune-tiny"
 
 
-def parse(**body: object) -> oa.CompletionRequest:
-    return oa.parse_completion_request(body, served_model=MODEL)
+def parse(**body: object) -> oreq.CompletionRequest:
+    return oreq.parse_completion_request(body, served_model=MODEL)
 
 
 def test_parse_defaults_follow_openai() -> None:
@@ -55,17 +57,17 @@ def test_parse_defaults_follow_openai() -> None:
         ({"prompt": "x", "max_tokens": True}, "max_tokens", "True"),
         ({"prompt": "x", "temperature": -0.1}, "temperature", "-0.1"),
         ({"prompt": "x", "temperature": float("nan")}, "temperature", "nan"),
-        ({"prompt": "x", "n": 2}, "n", "n=2"),
+        ({"prompt": "x", "n": 2}, "n", "n: 2 is not supported (only 1)"),
         ({"prompt": "x", "stream": "yes"}, "stream", "'yes'"),
-        ({"prompt": "x", "top_p": 0.9}, "top_p", "'top_p'"),
-        ({"prompt": "x", "bogus": 1, "stop": "."}, "bogus", "'stop'"),
+        ({"prompt": "x", "top_p": 0.9}, "top_p", "top_p: 0.9 is not supported (only 1)"),
+        ({"prompt": "x", "stop": 7}, "stop", "stop=7"),
     ],
 )
 def test_parse_rejects_bad_input_naming_the_field(
     body: dict[str, object], param: str, fragment: str
 ) -> None:
     with pytest.raises(oa.ApiError) as e:
-        oa.parse_completion_request(body, served_model=MODEL)
+        oreq.parse_completion_request(body, served_model=MODEL)
     assert e.value.status == 400
     assert e.value.param == param
     assert fragment in e.value.message
@@ -78,7 +80,7 @@ def test_parse_unknown_model_is_404() -> None:
         parse(model="gpt-4", prompt="x")
     assert e.value.status == 404 and e.value.code == "model_not_found"
     with pytest.raises(oa.ApiError):
-        oa.parse_completion_request(["not", "a", "dict"], served_model=MODEL)
+        oreq.parse_completion_request(["not", "a", "dict"], served_model=MODEL)
 
 
 def test_bodies_and_sse_framing() -> None:
@@ -103,15 +105,15 @@ def test_incremental_decoder_never_splits_a_character() -> None:
     def decode(ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    dec = oa.IncrementalDecoder(decode=decode)
+    dec = IncrementalDecoder(decode=decode)
     deltas = [dec.push(b) for b in data]
     assert "".join(deltas) + dec.flush() == text
     assert all("\ufffd" not in d for d in deltas)
     assert deltas[1] == "" and deltas[2] == "ñ"  # held back until the 2-byte char completes
-    many = oa.IncrementalDecoder(decode=decode)
+    many = IncrementalDecoder(decode=decode)
     assert many.push_many(data[:3]) == "añ" and many.push_many(data[3:5]) == ""
     assert many.push_many(data[5:]) + many.flush() == "€😀z"
-    cut = oa.IncrementalDecoder(decode=decode)
+    cut = IncrementalDecoder(decode=decode)
     assert cut.push_many("é".encode()[:1]) == "" and cut.flush() == "\ufffd"
 
 
@@ -122,7 +124,7 @@ def test_incremental_decoder_decodes_a_short_window_per_token() -> None:
         seen.append(len(ids))
         return bytes(ids).decode("utf-8", errors="replace")
 
-    dec = oa.IncrementalDecoder(decode=decode)
+    dec = IncrementalDecoder(decode=decode)
     text = "ab€" * 200
     out = "".join(dec.push(b) for b in text.encode()) + dec.flush()
     assert out == text
@@ -355,7 +357,7 @@ def test_models_health_and_unknown_route(server) -> None:
         ({"prompt": "hi", "max_tokens": -1}, "max_tokens=-1"),
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens='many'"),
         ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens=2.5"),
-        ({"prompt": "hi", "best_of": 2}, "'best_of'"),
+        ({"prompt": "hi", "best_of": 2}, "best_of: 2 is not supported (only 1)"),
         ({"prompt": [10**9]}, "prompt token"),
     ],
 )
@@ -477,7 +479,7 @@ def _run_stream(
             c
             async for c in oa.sse_completion_stream(
                 chunks(),
-                decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+                output=TextOutput(decode=lambda ids: bytes(ids).decode("utf-8", errors="replace")),
                 completion_id="cmpl-x",
                 model=MODEL,
                 clock=lambda: now[0],
