@@ -37,6 +37,12 @@ class CurveReport:
     knee_batch: int | None = None
     ridge_flops_per_byte: float | None = None
     predicted_batch: int | None = None  # the roofline's operating point (the seed)
+    # How the search was seeded ("" before issue 18's reports): the roofline it came from,
+    # or why it ran unseeded (no model config, no hardware).
+    seed_note: str = ""
+    # How knobs reached the deployment and how its curve was read: actuator, metrics
+    # profile, whether the knobs were applied or are only recommended, restart costs.
+    backend: Mapping[str, Any] = field(default_factory=dict)
     confirmations: int = 2  # windows a knob needs to be declared (the tuner's stop rule)
     stop_reason: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)  # command, started, wall_s, target
@@ -204,6 +210,8 @@ class CurveReport:
                 "knee_batch": self.knee_batch,
                 "ridge_flops_per_byte": self.ridge_flops_per_byte,
                 "predicted_batch": self.predicted_batch,
+                "seed_note": self.seed_note,
+                "backend": dict(self.backend),
                 "confirmations": self.confirmations,
                 "predicted_slo_cut_batch": cut.batch if cut else None,
                 "client_cross_check": self.cross_check(),
@@ -235,6 +243,8 @@ class CurveReport:
             knee_batch=d.get("knee_batch"),
             ridge_flops_per_byte=d.get("ridge_flops_per_byte"),
             predicted_batch=d.get("predicted_batch"),
+            seed_note=d.get("seed_note", ""),
+            backend=d.get("backend") or {},
             confirmations=int(d.get("confirmations") or 2),
             stop_reason=d.get("stop_reason", ""),
             meta=d.get("meta") or {},

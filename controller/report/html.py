@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,6 +42,21 @@ def explain(report: CurveReport) -> list[str]:
 
     slo = report.slo
     lines: list[str] = []
+    if not report.predicted and report.seed_note:
+        lines.append(f"No roofline prediction: {report.seed_note}")
+    if report.backend.get("applied") is False:
+        lines.append(
+            "slotune could not change this server's configuration: the limits below are "
+            "recommendations measured at each client concurrency, not applied; set them in "
+            "the server's own configuration."
+        )
+    restarts = int(report.backend.get("restarts") or 0)
+    if restarts:
+        lines.append(
+            f"The batch limit restarts the replicas: the search changed it {restarts} "
+            f"time(s), {float(report.backend.get('restart_s') or 0):.0f} s of restarts in all "
+            "(counted in the trials' wall time)."
+        )
     if report.knee_batch:
         ridge = (
             f" (the device's ridge point is {report.ridge_flops_per_byte:.0f} FLOP/byte)"
@@ -149,6 +165,13 @@ def _row(report: CurveReport, t: TrialRecord, chosen: TrialRecord | None) -> str
     return f'<tr class="{cls}">{tds}<td class="l">{html.escape(t.note)}</td></tr>'
 
 
+def _pairs(items: Mapping[str, Any]) -> str:
+    """``<dt>key</dt><dd>value</dd>`` for each item, escaped."""
+    return "".join(
+        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>" for k, v in items.items()
+    )
+
+
 def render_html(report: CurveReport, *, png_b64: str) -> str:
     slo = report.slo
     chosen = report.chosen
@@ -159,14 +182,9 @@ def render_html(report: CurveReport, *, png_b64: str) -> str:
     head = "".join(f"<th>{h}</th>" for h in heads) + '<th class="l">note</th>'
     rows = "\n".join(_row(report, t, chosen) for t in report.trials)
     why = "".join(f"<p>{html.escape(s)}</p>" for s in explain(report))
-    hw = "".join(
-        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>"
-        for k, v in report.hardware_detail.items()
-    )
-    meta = "".join(
-        f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(str(v))}</dd>"
-        for k, v in report.meta.items()
-    )
+    hw = _pairs(report.hardware_detail)
+    meta = _pairs(report.meta)
+    backend = _pairs(report.backend)
     box = "box" if chosen is not None else "box bad"
     title = "Operating point found" if chosen is not None else "No feasible operating point"
     price = (
@@ -198,6 +216,7 @@ p{slo.quantile * 100:g} TPOT ≤ {slo.tpot_p99_s * 1e3:g} ms · price {price} ·
 <dt>knee (roofline)</dt><dd>{_f(report.knee_batch, "d")}</dd>
 <dt>ridge point</dt><dd>{_f(report.ridge_flops_per_byte, ".0f")} FLOP/byte</dd>
 <dt>roofline's predicted operating point</dt><dd>batch {_f(report.predicted_batch, "d")}</dd>
+<dt>roofline seed</dt><dd>{html.escape(report.seed_note or "–")}</dd>{backend}
 </dl>
 <h2>Run</h2><dl>{meta}</dl>
 </body></html>
