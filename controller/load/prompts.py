@@ -41,6 +41,10 @@ class Prompt:
     value: str | tuple[int, ...]
     tokens: int
 
+    def __post_init__(self) -> None:
+        if not self.value:
+            raise ValueError(f"prompt {self.value!r}: must not be empty")
+
 
 class PromptMaker:
     """Builds the prompts of one :class:`~controller.load.spec.LoadSpec`."""
@@ -59,13 +63,13 @@ class PromptMaker:
             if self.token_ids:
                 return Prompt(value=tuple(text.encode("ascii")), tokens=n)
             return Prompt(value=text, tokens=n)
-        text = self._words(n, rng)
+        text, count = self._words(n, rng, warn=not self.token_ids)  # ids are cut to n below
         if self.token_ids:
             ids = self.vocab.encode(text, specials=True)
             if len(ids) < n:  # only when the vocabulary had no one-token words
                 ids += [ids[i % len(ids)] for i in range(n - len(ids))]
             return Prompt(value=tuple(ids[:n]), tokens=n)
-        return Prompt(value=text, tokens=len(self.vocab.encode(text, specials=self.specials)))
+        return Prompt(value=text, tokens=count)
 
     def from_text(self, text: str) -> Prompt:
         """A trace's own prompt text, counted (or encoded, for token ids) with the tokenizer."""
@@ -78,7 +82,8 @@ class PromptMaker:
             return Prompt(value=ids, tokens=len(ids))
         return Prompt(value=text, tokens=len(self.vocab.encode(text, specials=self.specials)))
 
-    def _words(self, n: int, rng: random.Random) -> str:
+    def _words(self, n: int, rng: random.Random, *, warn: bool) -> tuple[str, int]:
+        """About ``n`` tokens of one-token words, and their checked count."""
         vocab = self.vocab
         assert vocab is not None
         specials = self.specials  # token ids go to /v1/completions: with the BOS too
@@ -93,7 +98,7 @@ class PromptMaker:
             else:
                 words += [rng.choice(pool) for _ in range(n - count)]
             count = len(vocab.encode(" ".join(words), specials=specials))
-        if count != n and not self._warned:
+        if warn and count != n and not self._warned:
             self._warned = True
             log.warning(
                 "a prompt of %d tokens came out as %d with this tokenizer (%d one-token "
@@ -103,7 +108,7 @@ class PromptMaker:
                 len(vocab.pool),
                 vocab.added if specials else 0,
             )
-        return " ".join(words)
+        return " ".join(words), count
 
 
 _FALLBACK_WORDS = ("the", "a", "of", "and", "to", "in", "token", "batch")

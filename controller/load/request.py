@@ -83,12 +83,16 @@ async def send_one(
                 detail = (await resp.aread())[:200].decode("utf-8", "replace")
                 error = f"HTTP {status}: {detail}"
             else:
+                done = False
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    # read on past [DONE] to the body's end: a response read to its end
+                    # hands its connection back to the pool, one cut short closes it
+                    if done or not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        break
+                        done = True
+                        continue
                     now = time.time()
                     try:
                         chunk = json.loads(data)

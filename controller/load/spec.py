@@ -57,6 +57,8 @@ class TraceItem:
             raise ValueError(f"trace max_tokens={self.max_tokens!r}: must be an integer >= 1")
         if self.prompt is None and self.prompt_tokens is None:
             raise ValueError("trace item needs 'prompt' or 'prompt_tokens'")
+        if self.prompt is not None and not (isinstance(self.prompt, str) and self.prompt):
+            raise ValueError(f"trace prompt={self.prompt!r}: must be a non-empty string")
 
 
 def load_trace(path: str | Path) -> tuple[TraceItem, ...]:
