@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import socket
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +72,21 @@ def token_source() -> str | None:
     return None
 
 
+def read_token() -> str | None:
+    """This process's Ray token, from the first of Ray's sources that has one (None: none).
+
+    What an HTTP client of the dashboard sends as ``Authorization: Bearer <token>``
+    (ray/_private/authentication/http_token_authentication.py, which also accepts
+    ``X-Ray-Authorization``). Surrounding whitespace is stripped as Ray's loader does.
+    """
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    for path in (os.environ.get(TOKEN_PATH_ENV), default_token_path()):
+        if path and Path(path).is_file():
+            return Path(path).read_text().strip() or None
+    return None
+
+
 def _private_token() -> Path:
     """A fresh 256-bit token in a 0600 file inside a new 0700 directory, removed at exit.
 
@@ -115,12 +129,12 @@ def keep_loopback() -> None:
     (ray/_private/ray_constants.py): the single-machine mode Ray uses on macOS and
     Windows. Ray's own processes inherit the variable; this process may have imported
     ray already, so its copy of the flag is set too (a private name, pinned by
-    tests/reliability/test_listeners.py).
+    tests/reliability/test_listeners.py; set in serving/app/ray_private.py).
     """
+    from serving.app.ray_private import keep_loopback_flag
+
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
+    keep_loopback_flag()
 
 
 # Ray's own warning on starting a cluster with token auth ends "Set RAY_AUTH_MODE=disabled
@@ -176,6 +190,7 @@ class LocalRay:
 
     gcs_address: str  # 127.0.0.1:PORT
     token_path: Path
+    dashboard_url: str | None = None  # http://127.0.0.1:PORT, None without the dashboard
 
     def attach_env(self) -> dict[str, str]:
         """Environment a driver in another process needs to attach (``ray.init(address=...)``)."""
@@ -187,16 +202,24 @@ class LocalRay:
 
 
 def start_local_ray(
-    *, num_cpus: int, metrics_port: int, http_port: int, host: str = LOOPBACK
+    *,
+    num_cpus: int,
+    metrics_port: int,
+    http_port: int,
+    host: str = LOOPBACK,
+    dashboard: bool = False,
 ) -> LocalRay:
     """Start a new Ray cluster and Serve in this process, loopback only and token-authenticated.
 
     Always a new cluster (``address="local"``): never the one RAY_ADDRESS or a
-    (possibly stale) ``ray_current_cluster`` file names. No dashboard, a 128 MiB object
-    store, metrics on ``127.0.0.1:metrics_port``, Serve's HTTP proxy on ``host:http_port``
-    without access logs. Returns what another driver needs to attach. If Ray comes up on another IP
-    or Serve does not start, Ray is shut down before the error propagates. One local
-    cluster per process: Ray caches the token a process has loaded.
+    (possibly stale) ``ray_current_cluster`` file names. A 128 MiB object store, metrics on
+    ``127.0.0.1:metrics_port``, Serve's HTTP proxy on ``host:http_port`` without access
+    logs. The dashboard (and with it Serve's REST API, ``/api/serve/applications/``, which
+    the ``serve`` actuator uses) only when ``dashboard``: on 127.0.0.1 at a free port, token
+    auth on like the rest (~1 GB more memory). Returns what another driver needs to
+    attach. If Ray comes up on another IP or Serve does not start, Ray is shut down
+    before the error propagates. One local cluster per process: Ray caches the token a
+    process has loaded.
     """
     token = secure_local_env()
     import ray
@@ -204,10 +227,12 @@ def start_local_ray(
     from ray.serve.config import HTTPOptions
     from ray.serve.schema import LoggingConfig
 
-    ray.init(
+    ctx = ray.init(
         address="local",
         num_cpus=num_cpus,
-        include_dashboard=False,
+        include_dashboard=dashboard,
+        dashboard_host=LOOPBACK,
+        dashboard_port=free_loopback_port() if dashboard else None,
         object_store_memory=128 << 20,
         log_to_driver=False,
         _metrics_export_port=metrics_port,
@@ -227,6 +252,11 @@ def start_local_ray(
     except BaseException:
         ray.shutdown()
         raise
-    cluster = LocalRay(gcs_address=ray.get_runtime_context().gcs_address, token_path=token)
+    url = ctx.dashboard_url if dashboard else None  # RayContext: "host:port", no scheme
+    cluster = LocalRay(
+        gcs_address=ray.get_runtime_context().gcs_address,
+        token_path=token,
+        dashboard_url=f"http://{url}" if url and "://" not in url else url,
+    )
     logger.info("local Ray at %s, token auth, token file %s", cluster.gcs_address, token)
     return cluster

@@ -6,9 +6,9 @@ declarative path (what ``serve deploy``, KubeRay and the dashboard's
 ``PUT /api/serve/applications/`` send) pins the code version to the import
 path + runtime env + args; with those unchanged, a new ``user_config`` or
 ``max_ongoing_requests`` is a lightweight update: the running replica's
-``reconfigure`` is called and nothing restarts. In process we reach that path
-the way the dashboard does: ``ServeControllerClient.deploy_apps`` →
-``ServeController.apply_config``.
+``reconfigure`` is called and nothing restarts. In process (the embedded cluster has no
+dashboard) we reach that path the way the dashboard does, through Ray's private
+controller client (serving/app/ray_private.py, the one module that uses it).
 
 ``apply_config`` replaces the whole set of declaratively deployed apps, so
 every call here reads the live set and changes only the one app it names.
@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from metrics.observation import Slo
+from serving.app import ray_private
 from serving.app.config import (
     DEFAULT_MAX_ONGOING_REQUESTS,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -52,31 +53,18 @@ DEFAULT_APP_NAME = "slotune"
 
 def _client() -> Any:
     """The Serve controller client; starts Serve (loopback HTTP) if it is not running."""
-    from ray import serve
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        serve.start(http_options={"host": "127.0.0.1"})
-        client = _get_global_client()
-    return client
+    return ray_private.serve_client(start=True)
 
 
 def _declarative_apps(client: Any) -> dict[str, dict[str, Any]]:
-    """Name → application config (dict) of every app deployed through the declarative path."""
-    import ray
-
-    configs = ray.get(client._controller.get_app_configs.remote())
-    return {name: cfg.model_dump(exclude_unset=True) for name, cfg in configs.items()}
+    """Name -> config of every app deployed through the declarative path."""
+    return ray_private.declarative_app_configs(client)
 
 
 def _apply(client: Any, name: str, app_config: dict[str, Any]) -> None:
-    from ray.serve.schema import ServeDeploySchema
-
     apps = _declarative_apps(client)
     apps[name] = app_config
-    schema = ServeDeploySchema.model_validate({"applications": list(apps.values())})
-    client.deploy_apps(schema)
+    ray_private.deploy_apps(client, list(apps.values()))
 
 
 def _with_replica_env(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
@@ -241,16 +229,14 @@ def update_knobs(
 
 def delete_app(name: str = DEFAULT_APP_NAME, *, timeout_s: float = 60.0) -> None:
     """Remove the app (and only it) from the declarative set; wait until it is gone."""
-    from ray.serve.schema import ServeDeploySchema
-
     client = _client()
     apps = _declarative_apps(client)
     if name not in apps:
         return
     del apps[name]
-    client.deploy_apps(ServeDeploySchema.model_validate({"applications": list(apps.values())}))
+    ray_private.deploy_apps(client, list(apps.values()))
     deadline = time.monotonic() + timeout_s
-    while name in client.get_serve_details().get("applications", {}):
+    while name in ray_private.serve_details(client).get("applications", {}):
         if time.monotonic() > deadline:
             raise DeployError(f"app {name!r} still present after {timeout_s} s")
         time.sleep(POLL_S)

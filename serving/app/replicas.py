@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from serving.app import ray_private
 from serving.app.config import DEPLOYMENT_NAME, KV_NAMESPACE
 
 POLL_S = 0.1
@@ -40,7 +41,7 @@ def enum_value(v: Any) -> str:
 
 
 def running_replicas(client: Any, app_name: str) -> tuple[str, str, list[dict[str, Any]]]:
-    details = client.get_serve_details()
+    details = ray_private.serve_details(client)
     app = details.get("applications", {}).get(app_name)
     if app is None:
         return "NOT_STARTED", "", []
@@ -50,9 +51,7 @@ def running_replicas(client: Any, app_name: str) -> tuple[str, str, list[dict[st
 
 
 def read_state(app_name: str, replica_id: str) -> dict[str, Any] | None:
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(f"{app_name}/{replica_id}", namespace=KV_NAMESPACE)
+    raw = ray_private.kv_get(f"{app_name}/{replica_id}", namespace=KV_NAMESPACE)
     return None if raw is None else json.loads(raw)
 
 

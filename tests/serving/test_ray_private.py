@@ -1,0 +1,50 @@
+"""The private Ray names serving/app/ray_private.py uses exist in the Ray it was written for.
+
+Fails first on a Ray upgrade: re-read each name's source, then move RAY_VERSION.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from serving.app import ray_private
+
+
+def test_written_against_the_installed_ray() -> None:
+    import ray
+
+    assert ray.__version__ == ray_private.RAY_VERSION
+
+
+def test_the_private_names_it_uses_are_there() -> None:
+    from ray._private import ray_constants
+    from ray.experimental import internal_kv
+    from ray.serve._private import constants
+    from ray.serve._private.client import ServeControllerClient
+    from ray.serve._private.controller import ServeController
+    from ray.serve.context import ReplicaContext, _get_global_client
+
+    assert "raise_if_no_controller_running" in inspect.signature(_get_global_client).parameters
+    for name in ("deploy_apps", "get_serve_details"):
+        assert callable(getattr(ServeControllerClient, name))
+    assert callable(getattr(ServeController, "get_app_configs", None))
+    for name in ("_internal_kv_get", "_internal_kv_put", "_internal_kv_del"):
+        assert "namespace" in inspect.signature(getattr(internal_kv, name)).parameters
+    assert "_deployment_config" in {f.name for f in dataclasses.fields(ReplicaContext)}
+    assert isinstance(constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, bool)
+    assert isinstance(ray_constants.ENABLE_RAY_CLUSTER, bool)
+
+
+@pytest.mark.ray
+def test_declarative_configs_and_kv_round_trip(ray_cluster) -> None:
+    client = ray_private.serve_client(start=False)
+    assert client is not None
+    assert isinstance(ray_private.declarative_app_configs(client), dict)
+    assert "applications" in ray_private.serve_details(client)
+    ray_private.kv_put("probe", b"1", namespace="slotune-test")
+    assert ray_private.kv_get("probe", namespace="slotune-test") == b"1"
+    ray_private.kv_del("probe", namespace="slotune-test")
+    assert ray_private.kv_get("probe", namespace="slotune-test") is None
