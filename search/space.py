@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 PARAM_BATCH = "max_batch_size"
 PARAM_HEADROOM = "concurrency_headroom"
+# The staged search (search.stages) samples the admission limit itself, under a batch cap.
+PARAM_CONCURRENCY = "max_concurrency"
 
 
 @dataclass(frozen=True, kw_only=True)

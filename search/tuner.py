@@ -30,17 +30,22 @@ from metrics.observation import Observation, Slo
 from search.guide import Guide
 from search.objective import evaluate
 from search.points import observation_attrs, summarize
-from search.remeasure import ceiling, doubtful, open_best
+from search.proposals import next_fixed
 from search.space import Knobs, SearchSpace
+from search.stager import Stager
+from search.stages import ChangeSummary, KnobCosts, Proposal, StageState, change_summary
 from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
 
 logger = logging.getLogger(__name__)
 
 SAMPLERS = ("gp", "tpe", "random")
-PHASES = ("seed", "guided", "remeasure", "sampler", "external")
+PHASES = ("seed", "guided", "remeasure", "sampler", "external", "cap")
 CONSTRAINT_NAMES = ("ttft_p99_minus_slo_s", "tpot_p99_minus_slo_s")
 METRIC_NAME = "goodput"  # the study's one objective (maximised), requests/s within the SLO
 _GUIDE_DONE = "slotune_guide_done"
+# A trial's user attributes that are the tuner's bookkeeping, not its window's observation.
+_NOT_OBSERVED = ("phase", "feasible", "reason", "stage", "batch_cap", "batch_change")
+_NOT_OBSERVED += ("change_cost_s",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +61,8 @@ class TunerTrial:
     feasible: bool = False
     reason: str = ""
     observation: dict[str, Any] = field(default_factory=dict)
+    batch_cap: int | None = None  # staged search: the engine batch limit it ran under
+    change_cost_s: float = 0.0  # seconds the loop reported for changing knobs (a restart)
 
 
 def open_storage(storage: str | None) -> Any:
@@ -102,6 +109,8 @@ class Tuner:
         guide_aim: float = 0.97,
         declare_gain: float = 0.05,
         guide_options: dict[str, Any] | None = None,
+        costs: KnobCosts | None = None,
+        applied_batch_cap: int | None = None,
     ) -> None:
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler={sampler!r}: choose one of {SAMPLERS}")
@@ -109,7 +118,13 @@ class Tuner:
         self.slo = slo
         self.stop_rule = stop_rule or StopRule()
         self.declare_gain = declare_gain
+        self.costs = costs or KnobCosts()
         self.seed_knobs = [space.clip(k) for k in seed_knobs]
+        if self.costs.staged:  # seeds on the batch line (search.stages)
+            self.seed_knobs = [
+                Knobs(max_batch_size=k.max_batch_size, max_concurrency=k.max_batch_size)
+                for k in self.seed_knobs
+            ]
         self._guide = (
             Guide(
                 model_tpot_s=model_tpot_s,
@@ -122,11 +137,25 @@ class Tuner:
             else None
         )
         self._dists = space.distributions()
+        base = make_sampler(sampler, seed=seed, n_startup_trials=n_startup_trials)
+        self._stager: Stager | None = None
+        if self.costs.staged:  # search.stages: the admission limit under a batch cap
+            self._stager = Stager(
+                space=space,
+                slo=slo,
+                costs=self.costs,
+                rule=self.stop_rule,
+                guide=self._guide,
+                seeds=self.seed_knobs,
+                applied_batch_cap=applied_batch_cap,
+                base_sampler=base,
+            )
+            self._dists, base = self._stager.distributions(), self._stager.sampler
         self.study = optuna.create_study(
             study_name=study_name,
             storage=open_storage(storage),
             direction="maximize",
-            sampler=make_sampler(sampler, seed=seed, n_startup_trials=n_startup_trials),
+            sampler=base,
             load_if_exists=True,
         )
         with warnings.catch_warnings():  # experimental in Optuna, stable in use
@@ -182,74 +211,111 @@ class Tuner:
 
     # -- ask ---------------------------------------------------------------------------
 
-    def _next_fixed(self, points: list[PointSummary]) -> tuple[Knobs, str] | None:
-        if self.seed_knobs and self._phase_count("seed") == 0:
-            return self.seed_knobs[0], "seed"
-        # Re-measure before declaring. The best point that could still be declared (it met
-        # the SLO in at least as many windows as not) is measured again at once when little
-        # is left above it: its goodput is within `declare_gain` of the throughput measured
-        # at the nearest larger batch not proven feasible (a ceiling under a saturating
-        # load) or of what the guide's models predict at the largest batch they put within
-        # the SLO (`Guide.ceiling`, the lower of the two; only once the point was measured
-        # feasible or something is declared), or there is no guidance. Otherwise guidance
-        # goes on and the re-measurement waits until it is over.
-        rule = self.stop_rule
-        declared = incumbent(
-            points, confirmations=rule.confirmations, larger_batch_within=rule.larger_batch_within
+    def _next_fixed(
+        self, points: list[PointSummary], stage: StageState | None = None
+    ) -> tuple[Knobs, str] | None:
+        """:func:`search.proposals.next_fixed`; in a stage (:mod:`search.stages`) only the
+        knobs reachable under its cap, guided within it."""
+        guide, done_key, ok = self._guide, _GUIDE_DONE, None
+        in_stage = self._finished()
+        stager = self._stager
+        if stage is not None and stager is not None:
+            guide = stager.guide_at(stage.cap)
+            done_key = f"{_GUIDE_DONE}:{stage.stage}"
+            in_stage = [t for t in in_stage if t.user_attrs.get("stage") == stage.stage]
+
+            def ok(k: Knobs) -> bool:
+                return stager.reachable(k, stage)
+
+        nxt = next_fixed(
+            points,
+            rule=self.stop_rule,
+            slo=self.slo,
+            declare_gain=self.declare_gain,
+            guide=guide,
+            seeds=self.seed_knobs,
+            seeds_done=self._phase_count("seed"),
+            guided_done=sum(1 for t in in_stage if t.user_attrs.get("phase") == "guided"),
+            guide_over=bool(self.study.user_attrs.get(done_key)),
+            reachable=ok,
         )
-        best = open_best(points, confirmations=rule.confirmations)
-        if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
-            top = ceiling(points, best)
-            if self._guide is not None and (best.feasible or declared is not None):
-                model_top = self._guide.ceiling(points, best)
-                if math.isfinite(model_top) and not model_top >= top:
-                    top = model_top
-            if self._guide is None or (
-                math.isfinite(top) and best.goodput_rps >= (1 - self.declare_gain) * top
-            ):
-                return best.knobs, "remeasure"
-        if self._guide is not None:
-            if not self.study.user_attrs.get(_GUIDE_DONE):
-                k = self._guide.propose(points, self.seed_knobs[0], self._phase_count("guided"))
-                if k is not None:
-                    return k, "guided"
-                self.study.set_user_attr(_GUIDE_DONE, True)
-        else:
-            done = self._phase_count("seed")
-            if done < len(self.seed_knobs):
-                return self.seed_knobs[done], "seed"
-        if best is not None and (declared is None or best.goodput_rps > declared.goodput_rps):
-            return best.knobs, "remeasure"
-        if self._guide is not None:
-            again = doubtful(
-                points, declared or best, slo=self.slo, max_measurements=rule.confirmations
-            )
-            if again is not None:
-                return again.knobs, "remeasure"
-        return None
+        if nxt.guide_done:
+            self.study.set_user_attr(done_key, True)
+        return (nxt.knobs, nxt.phase) if nxt.knobs is not None else None
 
     def propose(self) -> Knobs:
         """The knobs to measure next (the same ones again until they are reported)."""
+        return self.proposal().knobs
+
+    def proposal(self) -> Proposal:
+        """:meth:`propose` with what to apply: under a staged search (``costs``) the batch
+        cap to hold and whether that changes it (:class:`search.stages.Proposal`)."""
         if self._pending is not None:
-            return self._knobs_of_trial(self._pending)
+            return self._proposal_of(self._pending)
         points = self.points()
-        fixed = self._next_fixed(points)
+        stager, stage, fixed = self._stager, None, None
+        if stager is not None:
+            stage, first = stager.begin(points, self.study, len(self._finished()))
+            fixed = (first, "cap") if first is not None else None
+        fixed = fixed or self._next_fixed(points, stage)
         if fixed is not None:
             knobs, phase = fixed
-            self.study.enqueue_trial(
-                self.space.params_from_knobs(knobs), user_attrs={"phase": phase}
-            )
+            self.study.enqueue_trial(self._params(knobs), user_attrs={"phase": phase})
         else:
             knobs, phase = None, "sampler"
+        if stager is not None and stage is not None:
+            stager.ask_ready(stage)
         trial = self.study.ask(self._dists)
         if knobs is None:
-            knobs = self.space.knobs_from_params(trial.params)
+            if stager is not None and stage is not None:
+                knobs = stager.knobs_of(trial.params, stage)
+            else:
+                knobs = self.space.knobs_from_params(trial.params)
             trial.set_user_attr("phase", phase)
         trial.set_user_attr("max_batch_size", knobs.max_batch_size)
         trial.set_user_attr("max_concurrency", knobs.max_concurrency)
+        if stager is not None and stage is not None:
+            stager.mark(trial, stage)
         self._pending = trial
         logger.info("trial %d (%s): %s", trial.number, phase, knobs)
-        return knobs
+        return self._proposal_of(trial)
+
+    def _params(self, knobs: Knobs) -> dict[str, Any]:
+        if self._stager is not None:
+            return self._stager.params(knobs)
+        return self.space.params_from_knobs(knobs)
+
+    def _proposal_of(self, trial: optuna.trial.Trial) -> Proposal:
+        ua, knobs = trial.user_attrs, self._knobs_of_trial(trial)
+        if self._stager is not None:
+            cap, change = self._stager.batch_cap(ua), bool(ua.get("batch_change", False))
+        else:  # live: a change is cheap, but say so all the same
+            cap = knobs.max_batch_size
+            prev = [
+                int(t.user_attrs["max_batch_size"])
+                for t in self.study.get_trials(deepcopy=False)
+                if t.number < trial.number and "max_batch_size" in t.user_attrs
+            ]
+            change = not prev or prev[-1] != cap
+        return Proposal(
+            knobs=knobs,
+            batch_cap=cap,
+            batch_change=change,
+            phase=str(ua.get("phase", "")),
+            stage=int(ua.get("stage", 0)),
+        )
+
+    def change_summary(self) -> ChangeSummary:
+        """How often the batch limit changed and the reported cost of it (for the report)."""
+        attrs = [
+            t.user_attrs
+            for t in self.study.get_trials(deepcopy=False)
+            if t.state != TrialState.WAITING
+        ]
+        return change_summary(attrs, mode=self.costs.batch)
+
+    def _cap_attr(self, ua: dict[str, Any]) -> int | None:
+        return self._stager.batch_cap(ua) if self._stager is not None else None
 
     def _knobs_of_trial(self, trial: optuna.trial.Trial) -> Knobs:
         ua = trial.user_attrs
@@ -259,19 +325,27 @@ class Tuner:
 
     # -- tell --------------------------------------------------------------------------
 
-    def report(self, knobs: Knobs, observation: Observation) -> TunerTrial:
-        """Record one measured window of ``knobs`` (proposed or not)."""
+    def report(
+        self, knobs: Knobs, observation: Observation, *, change_cost_s: float | None = None
+    ) -> TunerTrial:
+        """Record one measured window of ``knobs`` (proposed or not); ``change_cost_s``:
+        the seconds applying it took beyond a live update (a replica restart), summed by
+        :meth:`change_summary` for the report."""
+        if change_cost_s is not None and not (math.isfinite(change_cost_s) and change_cost_s >= 0):
+            raise ValueError(f"change_cost_s={change_cost_s!r}: must be a number of seconds >= 0")
         if self._pending is not None and self._knobs_of_trial(self._pending) == knobs:
             trial = self._pending
         else:
             if self._pending is not None:
                 self.fail_pending("a different knob was reported")
-            self.study.enqueue_trial(
-                self.space.params_from_knobs(knobs), user_attrs={"phase": "external"}
-            )
+            self.study.enqueue_trial(self._params(knobs), user_attrs={"phase": "external"})
             trial = self.study.ask(self._dists)
             trial.set_user_attr("max_batch_size", knobs.max_batch_size)
             trial.set_user_attr("max_concurrency", knobs.max_concurrency)
+            if self._stager is not None:
+                self._stager.mark_external(trial, knobs, self.study)
+        if change_cost_s is not None:
+            trial.set_user_attr("change_cost_s", float(change_cost_s))
         ev = evaluate(observation, self.slo)
         for name, value in zip(CONSTRAINT_NAMES, ev.constraints, strict=True):
             trial.set_constraint(name, value)
@@ -300,6 +374,8 @@ class Tuner:
             feasible=ev.feasible,
             reason=ev.reason,
             observation=attrs,
+            batch_cap=self._cap_attr(trial.user_attrs),
+            change_cost_s=float(change_cost_s or 0.0),
         )
 
     def fail_pending(self, reason: str) -> None:
@@ -325,7 +401,11 @@ class Tuner:
         return (p.knobs, p) if p is not None else None
 
     def stop_reason(self) -> str | None:
-        return stop_reason(self.points(), len(self._finished()), self.stop_rule)
+        points, n = self.points(), len(self._finished())
+        why = stop_reason(points, n, self.stop_rule)
+        if self._stager is not None:  # a stage's first trials; a cap still to move to
+            return self._stager.stops(why, points, self.study, n)
+        return why
 
     def should_stop(self) -> bool:
         return self.stop_reason() is not None
@@ -352,7 +432,9 @@ class Tuner:
                     ),
                     feasible=bool(ua.get("feasible", False)),
                     reason=str(ua.get("reason", "")),
-                    observation={k: ua[k] for k in ua if k not in ("phase", "feasible", "reason")},
+                    observation={k: ua[k] for k in ua if k not in _NOT_OBSERVED},
+                    batch_cap=self._cap_attr(ua),
+                    change_cost_s=float(ua.get("change_cost_s", 0.0)),
                 )
             )
         return out
