@@ -29,11 +29,11 @@ _PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Servers whose OpenAI-compatible API takes ``ignore_eos`` (and a prompt as a list of
 # token ids): vLLM (vllm/entrypoints/openai/protocol.py, CompletionRequest and
 # ChatCompletionRequest: ``ignore_eos: bool = False``, ``prompt: list[int] | ... | str``),
-# SGLang (python/sglang/srt/entrypoints/openai/protocol.py, CompletionRequest), and Ray
+# SGLang (python/sglang/srt/entrypoints/openai/protocol.py, CompletionRequest), Ray
 # Serve LLM, whose request models subclass vLLM's or SGLang's
-# (ray/llm/_internal/serve/core/configs/openai_api_models.py). slotune's own server
-# refuses a field it does not honour with a 400: name it here once it takes ignore_eos.
-IGNORE_EOS_SERVERS = frozenset({"vllm", "sglang", "ray-serve-llm"})
+# (ray/llm/_internal/serve/core/configs/openai_api_models.py), and slotune's own server
+# (serving/app/openai_request.py).
+IGNORE_EOS_SERVERS = frozenset({"slotune", "vllm", "sglang", "ray-serve-llm"})
 
 # Filler words for synthetic prompts; with a byte-level tokenizer one character
 # is one token, so prompts are cut to exactly the sampled number of characters.

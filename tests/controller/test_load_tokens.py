@@ -182,7 +182,7 @@ def test_urls_summary_and_server_defaults(bpe) -> None:
     with pytest.raises(ValueError, match="endpoint='x'"):
         completions_url("http://h:1", "x")
     assert honours_ignore_eos("vllm") and honours_ignore_eos("sglang")
-    assert not honours_ignore_eos("slotune")
+    assert honours_ignore_eos("slotune") and not honours_ignore_eos("openai")
     s = saturating_spec(
         URL, max_concurrency=3, duration_s=2.0, endpoint="chat", tokenizer=bpe, ignore_eos=True
     )
@@ -426,3 +426,20 @@ def test_an_empty_trace_prompt_is_refused_when_read(tmp_path) -> None:
     path.write_text('{"prompt": "a", "max_tokens": 2}\n{"prompt": "", "max_tokens": 2}\n')
     with pytest.raises(ValueError, match="line 2: trace prompt=''"):
         load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fmt"), [("completions", "text"), ("completions", "token_ids"), ("chat", "text")]
+)
+def test_slotune_server_parses_every_body_the_generator_sends(endpoint, fmt) -> None:
+    from controller.load.request import request_body
+    from serving.app.openai_request import parse_chat_request, parse_completion_request
+
+    spec = LoadSpec(url=URL, endpoint=endpoint, prompt_format=fmt, ignore_eos=True, model="m")
+    prompt = PromptMaker(spec).make(11, random.Random(0))
+    body = json.loads(json.dumps(request_body(spec, prompt, 7)))  # as it goes on the wire
+    parse = parse_chat_request if endpoint == "chat" else parse_completion_request
+    req = parse(body, served_model="m")
+    assert req.max_tokens == 7 and req.ignore_eos and req.stream and req.include_usage
+    if endpoint == "completions":
+        assert req.prompt == prompt.value
