@@ -41,7 +41,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass 0 for greedy decoding
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_TOKEN_IDS = 1 << 18  # a whole vocabulary fits; the body limit bounds it anyway
 _INT64 = 2**63  # vLLM's ``seed`` bounds: torch.iinfo(torch.long)
 
 
@@ -208,9 +208,7 @@ def parse_chat_request(body: object, *, served_model: str) -> CompletionRequest:
         max_tokens = body.get("max_tokens")
     return CompletionRequest(
         model=model,
-        prompt=text_prompt(
-            render_chat(_messages(body["messages"]), add_generation_prompt=add_prompt)
-        ),
+        prompt=text_prompt(render_chat(_messages(body["messages"]), generation_prompt=add_prompt)),
         max_tokens=max_tokens,
         chat=True,
         **_options(body),
@@ -331,7 +329,7 @@ def _stream_options(opts: object, stream: bool) -> tuple[bool, bool]:
                 param=f"stream_options.{key}",
             )
         out.append(default if v is None else v)
-    return out[0], out[0] and out[1]
+    return (out[0], out[0] and out[1]) if stream else (False, False)
 
 
 def _stop(stop: object) -> tuple[str, ...]:

@@ -269,11 +269,8 @@ class CompletionServer:
                 self.engine.validate(prompt_ids, max_tokens)
             except ValueError as e:
                 raise oa.ApiError(str(e), param="prompt") from None
-            if req.min_tokens > max_tokens:
-                raise oa.ApiError(
-                    f"min_tokens={req.min_tokens}: must be at most max_tokens={max_tokens}",
-                    param="min_tokens",
-                )
+            stop_ids = self._stop_ids(req)
+            self._check_min_tokens(req.min_tokens, max_tokens, stop_ids)
         except oa.ApiError as e:
             self.metrics.record_rejected(
                 names.REASON_BAD_REQUEST if e.status != 413 else names.REASON_TOO_LARGE
@@ -294,7 +291,7 @@ class CompletionServer:
             max_tokens=max_tokens,
             cid=oa.new_completion_id(chat=chat),
             arrival=arrival,
-            stop_ids=self._stop_ids(req),
+            stop_ids=stop_ids,
         )
         if req.stream:
             return StreamingResponse(self._stream(job, ticket), media_type=oa.SSE_MEDIA_TYPE)
@@ -308,6 +305,20 @@ class CompletionServer:
         ``stop_token_ids`` (vLLM's ``ignore_eos`` leaves ``stop_token_ids`` in force)."""
         eos = () if req.ignore_eos or self.eos_id is None else (self.eos_id,)
         return frozenset(eos + req.stop_token_ids)
+
+    def _check_min_tokens(self, min_tokens: int, max_tokens: int, stop_ids: frozenset[int]) -> None:
+        if min_tokens > max_tokens:
+            raise oa.ApiError(
+                f"min_tokens={min_tokens}: must be at most max_tokens={max_tokens}",
+                param="min_tokens",
+            )
+        vocab = self.engine.engine.config.vocab_size
+        if min_tokens and sum(1 for t in stop_ids if t < vocab) >= vocab:
+            raise oa.ApiError(
+                "min_tokens: every token id is a stop id, so no token could be sampled "
+                "before min_tokens",
+                param="min_tokens",
+            )
 
     def _output(self, job: _Job) -> TextOutput:
         return TextOutput(

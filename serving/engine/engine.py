@@ -202,10 +202,12 @@ class Engine:
             prompt_ids=tuple(prompt_ids),
             stop_ids=frozenset(stop_ids),
         )
+        banned = tuple(t for t in req.stop_ids if 0 <= t < self.config.vocab_size)
+        if min_tokens > 0 and len(banned) >= self.config.vocab_size:
+            raise ValueError(f"min_tokens={min_tokens}: every token id is a stop id")
         with self._lock:
             self.scheduler.add(req)
             self._temps[rid] = float(temperature)
-            banned = tuple(t for t in req.stop_ids if 0 <= t < self.config.vocab_size)
             if min_tokens > 0 and banned:
                 self._min_tokens[rid] = [min_tokens, banned]
         return rid
