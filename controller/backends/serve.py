@@ -1,0 +1,235 @@
+"""The ``serve`` actuator: any Ray Serve deployment, through Serve's public REST API only.
+
+It changes exactly two fields of the app's declarative config: the deployment's
+``max_ongoing_requests`` (the admission limit) and one key path for the batch limit
+(``--batch-knob``, default ``user_config.max_batch_size``: the deployment's
+``reconfigure`` receives it), writes the whole declarative set back, and waits until every
+replica runs the new config (controller/backends/serve_rest.py says how that is known).
+A change that would restart replicas (controller/backends/knob_path.py) is refused with
+nothing sent.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from controller.backends.actuator import (
+    ActuatorError,
+    ApplyCost,
+    Fleet,
+    KnobEffects,
+)
+from controller.backends.knob_path import KnobPath, get_path, restarting_changes, set_path
+from controller.backends.serve_rest import (
+    ServeRest,
+    dashboard_url_of_cluster,
+    declarative_apps,
+    deployment_details,
+    fleet_of,
+)
+
+if TYPE_CHECKING:
+    from search.space import Knobs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_KNOB = "user_config.max_batch_size"
+
+
+def pick_deployment(details: dict[str, Any], app: str, deployment: str | None) -> str:
+    """``deployment`` if the app has it, else the app's only deployment (ActuatorError
+    listing them when there are several or none)."""
+    apps = details.get("applications") or {}
+    if app not in apps:
+        raise ActuatorError(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
+    names = sorted(apps[app].get("deployments") or {})
+    if deployment is not None:
+        if deployment not in names:
+            raise ActuatorError(f"--deployment {deployment}: not in app {app!r} (it has {names})")
+        return deployment
+    if len(names) != 1:
+        raise ActuatorError(f"app {app!r} has deployments {names}: name one with --deployment")
+    return names[0]
+
+
+def with_knobs(
+    app_cfg: dict[str, Any],
+    *,
+    deployment: str,
+    batch_path: KnobPath,
+    batch: int,
+    max_ongoing_requests: int,
+    effective_user_config: Any = None,
+) -> dict[str, Any]:
+    """A copy of one app's declarative config with the batch value at ``batch_path`` and
+    the deployment's ``max_ongoing_requests`` set; nothing else changes.
+
+    The deployment's override entry is added if the config has none. A ``user_config``
+    override replaces the code's whole ``user_config``, so when the entry has none it
+    starts from ``effective_user_config`` (what the replicas run now) before the key is set.
+    """
+    new = copy.deepcopy(app_cfg)
+    deps = new.setdefault("deployments", [])
+    entry = next((d for d in deps if d.get("name") == deployment), None)
+    if entry is None:
+        entry = {"name": deployment}
+        deps.append(entry)
+    entry["max_ongoing_requests"] = max_ongoing_requests
+    parts = batch_path.parts
+    if batch_path.scope == "app":
+        return set_path(new, parts, batch)
+    if parts[0] == "user_config" and entry.get("user_config") is None:
+        entry["user_config"] = copy.deepcopy(effective_user_config) if len(parts) > 1 else None
+    i = deps.index(entry)
+    deps[i] = set_path(entry, parts, batch)
+    return new
+
+
+def replace_app(apps: list[dict[str, Any]], new_app: dict[str, Any]) -> list[dict[str, Any]]:
+    """The declarative set with the app of ``new_app``'s name replaced; every other app is
+    sent back as it was (a PUT deletes apps it does not list)."""
+    names = [a.get("name") for a in apps]
+    if new_app.get("name") not in names:
+        raise ActuatorError(f"app {new_app.get('name')!r} is not in the declarative set {names}")
+    return [new_app if a.get("name") == new_app.get("name") else a for a in apps]
+
+
+class ServeActuator:
+    """Knobs of one deployment of a Serve app, changed live through the dashboard's REST API."""
+
+    name = "serve"
+
+    def __init__(
+        self,
+        *,
+        app: str,
+        deployment: str | None = None,
+        batch_knob: str | None = None,
+        dashboard_url: str | None = None,
+        rest: ServeRest | None = None,
+        apply_timeout_s: float = 120.0,
+    ) -> None:
+        from serving.app.cluster import read_token
+
+        self.app = app
+        self.batch_path = KnobPath.parse(batch_knob or self.default_batch_knob())
+        self.rest = rest or ServeRest(
+            dashboard_url or dashboard_url_of_cluster(), token=read_token()
+        )
+        self.apply_timeout_s = apply_timeout_s
+        self.deployment = pick_deployment(self.rest.details(), app, deployment)
+
+    def default_batch_knob(self) -> str:
+        return DEFAULT_BATCH_KNOB
+
+    # -- reading ------------------------------------------------------------------
+
+    def _app_config(self, details: dict[str, Any]) -> dict[str, Any]:
+        cfg = (details.get("applications") or {}).get(self.app, {}).get("deployed_app_config")
+        if cfg is None:
+            raise ActuatorError(
+                f"app {self.app!r} was not deployed from a config (serve deploy, KubeRay, "
+                "PUT /api/serve/applications/): Serve's REST API cannot change it"
+            )
+        return cfg
+
+    def _batch_now(self, details: dict[str, Any]) -> Any:
+        if self.batch_path.scope == "app":
+            return get_path(self._app_config(details), self.batch_path.parts, None)
+        dep = deployment_details(details, self.app, self.deployment)
+        return get_path(dep.get("deployment_config") or {}, self.batch_path.parts, None)
+
+    def current(self) -> Knobs | None:
+        from search.space import Knobs
+
+        try:
+            details = self.rest.details()
+            dep = deployment_details(details, self.app, self.deployment)
+            batch = self._batch_now(details)
+            ongoing = (dep.get("deployment_config") or {}).get("max_ongoing_requests")
+            return Knobs(max_batch_size=batch, max_concurrency=ongoing)
+        except (ActuatorError, ValueError, TypeError) as e:  # informational
+            log.warning("could not read the knobs of %s/%s: %s", self.app, self.deployment, e)
+            return None
+
+    def fleet(self) -> Fleet:
+        return fleet_of(deployment_details(self.rest.details(), self.app, self.deployment))
+
+    # -- changing -----------------------------------------------------------------
+
+    def allowed_restarts(self, batch_changes: bool) -> frozenset[str]:
+        """Config paths whose change may restart replicas (none: refuse any restart)."""
+        return frozenset()
+
+    def plan(self, details: dict[str, Any], knobs: Knobs) -> tuple[dict[str, Any], bool]:
+        """(new app config, whether it restarts replicas); ActuatorError, before anything
+        is sent, when it would restart them where that is not allowed."""
+        old = self._app_config(details)
+        dep = deployment_details(details, self.app, self.deployment)
+        batch = int(knobs.max_batch_size)
+        new = with_knobs(
+            old,
+            deployment=self.deployment,
+            batch_path=self.batch_path,
+            batch=batch,
+            max_ongoing_requests=int(knobs.max_concurrency),
+            effective_user_config=(dep.get("deployment_config") or {}).get("user_config"),
+        )
+        batch_changes = self._batch_now(details) != batch
+        allowed = self.allowed_restarts(batch_changes)
+        bad = restarting_changes(old, new, allowed=allowed)
+        if bad:
+            what = ", ".join(f"{p} ({e})" for p, e in bad)
+            raise ActuatorError(
+                f"refusing to change app {self.app!r}: {what} would restart replicas or is not "
+                f"known to be live; nothing was changed (--batch-knob {self.batch_path})"
+            )
+        restarts = any(e != "live" for _, e in restarting_changes(old, new))
+        return new, restarts
+
+    def _in_effect(self, knobs: Knobs, dep: dict[str, Any]) -> bool:
+        cfg = dep.get("deployment_config") or {}
+        if cfg.get("max_ongoing_requests") != int(knobs.max_concurrency):
+            return False
+        if self.batch_path.scope == "app":
+            return True
+        return get_path(cfg, self.batch_path.parts, None) == int(knobs.max_batch_size)
+
+    def apply(self, knobs: Knobs) -> ApplyCost:
+        t0 = time.monotonic()
+        details = self.rest.details()
+        new, restarts = self.plan(details, knobs)
+        if new == self._app_config(details):
+            dep = self.rest.wait(self.app, self.deployment, lambda d: True, timeout_s=30.0)
+            if self._in_effect(knobs, dep):
+                return ApplyCost(seconds=time.monotonic() - t0, changed=False)
+        before = {r[0] for r in fleet_of(deployment_details(details, self.app, self.deployment))}
+        self.rest.put(details, replace_app(declarative_apps(details), new))
+        log.info("applied %s to %s/%s (restart: %s)", knobs, self.app, self.deployment, restarts)
+
+        def done(dep: dict[str, Any]) -> bool:
+            if not self._in_effect(knobs, dep):
+                return False
+            # A restart replaces every replica: none of those from before may remain.
+            return not restarts or not before & {r[0] for r in fleet_of(dep)}
+
+        self.rest.wait(self.app, self.deployment, done, timeout_s=self.apply_timeout_s)
+        return ApplyCost(seconds=time.monotonic() - t0, restarted=restarts)
+
+    def effects(self) -> KnobEffects:
+        if self.batch_path.scope == "app":  # refused at apply: never applied
+            return KnobEffects(live=frozenset({"max_concurrency"}))
+        return KnobEffects(live=frozenset({"max_batch_size", "max_concurrency"}))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "actuator": self.name,
+            "app": self.app,
+            "deployment": self.deployment,
+            "batch_knob": str(self.batch_path),
+            "admission_knob": "max_ongoing_requests",
+            "dashboard": self.rest.base_url,
+        }
