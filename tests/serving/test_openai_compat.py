@@ -531,3 +531,20 @@ def test_stop_strings_and_400s_live(base: str) -> None:
     ).json()
     assert ok["object"] == "chat.completion" and ok["choices"][0]["message"]["role"] == "assistant"
     assert ok["usage"]["completion_tokens"] <= 3
+
+
+def test_ignore_eos_drops_only_eos_from_the_stop_ids() -> None:
+    from types import SimpleNamespace
+
+    from serving.app.server import CompletionServer
+
+    server = SimpleNamespace(eos_id=EOS)
+    stop_ids = CompletionServer.func_or_class._stop_ids
+
+    def req(**body: object) -> oreq.CompletionRequest:
+        return oreq.parse_completion_request({"prompt": "x"} | body, served_model=MODEL)
+
+    assert stop_ids(server, req()) == {EOS}
+    assert stop_ids(server, req(ignore_eos=True)) == frozenset()
+    assert stop_ids(server, req(ignore_eos=True, stop_token_ids=[46])) == {46}
+    assert stop_ids(server, req(stop_token_ids=[46, 46])) == {EOS, 46}
