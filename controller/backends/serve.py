@@ -30,6 +30,7 @@ from controller.backends.serve_rest import (
     deployment_details,
     fleet_of,
 )
+from serving.app.cluster import read_token
 
 if TYPE_CHECKING:
     from search.space import Knobs
@@ -112,8 +113,6 @@ class ServeActuator:
         rest: ServeRest | None = None,
         apply_timeout_s: float = 120.0,
     ) -> None:
-        from serving.app.cluster import read_token
-
         self.app = app
         self.batch_path = KnobPath.parse(batch_knob or self.default_batch_knob())
         self.rest = rest or ServeRest(
