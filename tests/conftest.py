@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray cluster per session; a real Prometheus where marked."""
+"""Shared fixtures: one Ray cluster per session; a real Prometheus where marked; a vLLM
+stand-in server (vLLM-named metrics, simulated engine) where a test asks for one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from tests.fixtures.prometheus_server import prometheus_server  # noqa: F401
 from tests.fixtures.ray_cluster import ray_cluster  # noqa: F401
+from tests.fixtures.vllm_standin import vllm_standin  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -22,10 +22,7 @@ from metrics.build import with_client_goodput
 from metrics.observation import Slo
 from metrics.sources import ScrapeSource
 from serving.sim.workload import LengthDist
-from tests.fixtures import vllm_standin as standin_fixtures
 from tests.fixtures.vllm_standin import StandinConfig, StandinServer
-
-vllm_standin = standin_fixtures.vllm_standin  # the fixture, until tests/conftest.py loads it
 
 SLO = Slo(ttft_p99_s=2.0, tpot_p99_s=0.5)
 N = 24
