@@ -1,9 +1,9 @@
 """What the canary loop tunes: a :class:`Target` applies knobs and measures one window.
 
-:class:`RayServeTarget` is a live Ray Serve deployment of ``serving.app.server:app``:
-knobs are applied in place (``serving.app.deploy.update_knobs``: ``user_config``
-and ``max_ongoing_requests``, no replica restart), the load generator offers a
-saturating closed loop at the candidate's admission limit, and the window's
+:class:`RayServeTarget` is a live server whose knobs reach it through an actuator
+(controller/backends/: Serve's REST API, a Serve LLM app, slotune's embedded app, or
+none at all), the load generator offers a saturating closed loop at the candidate's
+admission limit, and the window's
 :class:`~metrics.observation.Observation` is read from Prometheus-format metrics
 (Ray's metrics export port scraped directly, or a Prometheus server, through a
 ``controller.windows.WindowReader``). The load generator's own view of the same window
@@ -21,6 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from controller.backends.actuator import (
+    UNSETTLED,
+    Actuator,
+    ActuatorError,
+    ActuatorUnavailable,
+    ApplyCost,
+    Fleet,
+)
 from controller.load.generator import run_load
 from controller.load.result import LoadResult, RequestRecord, client_observation
 from controller.load.spec import TraceItem, completions_url, saturating_spec
@@ -116,17 +124,15 @@ class WindowPlan:
         return f"{errors} client errors in the window (more than {bound} of {requests} requests)"
 
 
-# The replicas serving an app, as (replica id, pid, config version) each: the same value
-# at both ends of a window means no replica restarted and none changed version during it.
-Fleet = tuple[tuple[str, int, str], ...]
-
-
 def fleet_fault(before: Fleet, after: Fleet) -> str:
     """Why a window that began on replicas ``before`` and ended on ``after`` is not data."""
     if before != after:
         old = ", ".join(f"{r[0]} pid {r[1]} v{r[2]}" for r in before) or "none"
         new = ", ".join(f"{r[0]} pid {r[1]} v{r[2]}" for r in after) or "none"
         return f"the replicas changed during the window (restart or update): [{old}] -> [{new}]"
+    unsettled = sorted({r[2] for r in after if r[2].startswith(UNSETTLED)})
+    if unsettled:
+        return f"the deployment was mid-update during the window ({', '.join(unsettled)})"
     versions = {r[2] for r in after}
     if len(versions) > 1:
         return f"the replicas ran different config versions {sorted(versions)}"
@@ -223,61 +229,50 @@ async def _sleep_unless(task: asyncio.Task[Any], seconds: float) -> None:
 
 
 class RayServeTarget:
-    """A live deployment of ``serving.app.server:app`` on the Ray cluster this process is
-    attached to."""
+    """A live server tuned through an :class:`~controller.backends.actuator.Actuator`: the
+    actuator applies the knobs and reports the replicas, this target drives the load and
+    reads the windows."""
 
     def __init__(
         self,
         *,
         url: str,
-        app_name: str,
         slo: Slo,
         reader: WindowReader,
+        actuator: Actuator | None = None,
+        app_name: str | None = None,
         plan: WindowPlan | None = None,
         shape: RequestShape | None = None,
         describe: dict[str, Any] | None = None,
         apply_timeout_s: float = 60.0,
     ) -> None:
+        """``actuator`` applies the knobs; without one, ``app_name`` is slotune's own app
+        on the cluster this process is attached to (the embedded actuator)."""
+        if actuator is None:
+            if app_name is None:
+                raise ValueError("RayServeTarget: give an actuator or an app_name")
+            from controller.backends.embedded import EmbeddedActuator
+
+            actuator = EmbeddedActuator(app=app_name, slo=slo, apply_timeout_s=apply_timeout_s)
         self.url = url
-        self.app_name = app_name
+        self.actuator = actuator
         self.slo = slo
         self.reader = reader
         self.plan = plan or WindowPlan()
         self.shape = shape or RequestShape()
         self._describe = dict(describe or {})
-        self.apply_timeout_s = apply_timeout_s
+        self.last_cost: ApplyCost | None = None  # what the latest apply() cost
 
     def current_knobs(self) -> Knobs | None:
-        from search.space import Knobs
-        from serving.app.deploy import replica_states
-
-        try:
-            states = replica_states(self.app_name)
-        except Exception as e:  # a read for information only
-            log.warning("could not read the current knobs of %r: %s", self.app_name, e)
-            return None
-        if not states:
-            return None
-        s = states[0]
-        try:
-            return Knobs(max_batch_size=s.max_batch_size, max_concurrency=s.max_ongoing_requests)
-        except ValueError:
-            return None
+        return self.actuator.current()
 
     def apply(self, knobs: Knobs) -> None:
-        from serving.app.deploy import update_knobs
-        from serving.app.replicas import DeployError
-
         try:
-            update_knobs(
-                max_batch_size=int(knobs.max_batch_size),
-                max_ongoing_requests=int(knobs.max_concurrency),
-                slo=self.slo,
-                app_name=self.app_name,
-                timeout_s=self.apply_timeout_s,
-            )
-        except (DeployError, ValueError) as e:
-            raise TargetError(f"applying {knobs} to app {self.app_name!r} failed: {e}") from e
+            self.last_cost = self.actuator.apply(knobs)
+        except ActuatorError as e:
+            raise TargetError(str(e)) from e
+        except ActuatorUnavailable as e:
+            raise TargetUnavailable(str(e)) from e
 
     def measure(self, knobs: Knobs) -> Measurement:
         return asyncio.run(
@@ -293,14 +288,16 @@ class RayServeTarget:
         )
 
     def fleet(self) -> Fleet:
-        """The app's running replicas as they report themselves (id, pid, config version)."""
-        from serving.app.deploy import replica_states
-
+        """The replicas as the actuator sees them (id, pid, config version)."""
         try:
-            states = replica_states(self.app_name)
-        except Exception as e:  # Serve's controller unreachable: no verdict on this window
-            raise TargetUnavailable(f"could not list the replicas of {self.app_name!r}: {e}") from e
-        return tuple(sorted((s.replica_id, s.pid, s.version) for s in states))
+            return self.actuator.fleet()
+        except (ActuatorUnavailable, ActuatorError) as e:  # no verdict on this window
+            raise TargetUnavailable(str(e)) from e
 
     def describe(self) -> dict[str, Any]:
-        return {"target": "ray-serve", "app": self.app_name, "url": self.url, **self._describe}
+        return {
+            "target": "ray-serve",
+            "url": self.url,
+            **self.actuator.describe(),
+            **self._describe,
+        }
