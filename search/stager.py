@@ -120,14 +120,16 @@ class Stager:
         st = self.state(study)
         move = self.move(points, st, n_finished)
         if move is not None:
-            st = replace(st, stage=st.stage + 1, cap=move[0], in_stage=0)
+            visited = (*st.visited, move[0]) if move[0] not in st.visited else st.visited
+            st = replace(st, stage=st.stage + 1, cap=move[0], in_stage=0, visited=visited)
             logger.info("stage %d: %s", st.stage, move[1])
             return st, Knobs(max_batch_size=move[0], max_concurrency=move[0])
         return st, None
 
     def ask_ready(self, st: StageState) -> None:
         """Narrow the sampler to the stage's admission range before ``study.ask``."""
-        self.sampler.narrow(*concurrency_bounds(self.space, st.cap, self.costs))
+        bounds = concurrency_bounds(self.space, st.cap, self.costs, settled=st.settled)
+        self.sampler.narrow(*bounds)
 
     def knobs_of(self, params: dict[str, Any], st: StageState) -> Knobs:
         return realize(int(params[PARAM_CONCURRENCY]), st.cap)

@@ -124,13 +124,18 @@ def reachable(knobs: Knobs, cap: int) -> bool:
     return realize(knobs.max_concurrency, cap) == knobs
 
 
-def concurrency_bounds(space: SearchSpace, cap: int, costs: KnobCosts) -> tuple[int, int]:
+def concurrency_bounds(
+    space: SearchSpace, cap: int, costs: KnobCosts, *, settled: bool = False
+) -> tuple[int, int]:
     """The admission limits searched under ``cap``: the space's smallest batch up to
-    ``cap · headroom_max`` (``cap`` when the batch is ``fixed``: its queue is unknown)."""
+    ``cap · headroom_max`` (``cap`` when the batch is ``fixed``: its queue is unknown);
+    from ``cap`` up once ``settled`` (the cap came down to the best batch: everything
+    below it was measured under the higher cap)."""
     hi = cap if costs.batch == "fixed" else math.floor(cap * space.headroom_max)
     if space.concurrency_max is not None:
         hi = min(hi, space.concurrency_max)
-    return space.batch_min, max(space.batch_min, hi)
+    hi = max(space.batch_min, hi)
+    return (min(cap, hi) if settled else space.batch_min), hi
 
 
 def concurrency_max(space: SearchSpace, costs: KnobCosts) -> int:
@@ -203,6 +208,11 @@ class StageState:
     visited: tuple[int, ...]  # caps held so far, in order
     last_cap: int | None  # the batch cap of the latest trial (None: no trial yet)
 
+    @property
+    def settled(self) -> bool:
+        """The cap came down from a higher one (to the best batch, :func:`next_cap`)."""
+        return self.cap < max(self.visited)
+
 
 def stage_state(trials: Sequence[tuple[Mapping[str, Any], bool]], *, first: int) -> StageState:
     """From each trial's ``(user_attrs, finished)`` in trial order (``first``: the cap of
@@ -222,7 +232,7 @@ def stage_state(trials: Sequence[tuple[Mapping[str, Any], bool]], *, first: int)
         stage=stage,
         cap=cap,
         in_stage=counts.get(stage, 0),
-        visited=tuple(visited) or (first,),
+        visited=tuple(visited) or (cap,),
         last_cap=last,
     )
 

@@ -5,7 +5,9 @@ one window, and calls :meth:`Tuner.report` with the Observation; :meth:`Tuner.sh
 applies :mod:`search.stop_rule`. Proposals come, in order of priority, from the seed, the
 roofline guide (:mod:`search.guide`), re-measurement of the incumbent until it is declared
 (:mod:`search.remeasure`, :mod:`search.evidence`), then Optuna's sampler with both latency
-constraints (docs/search.md). Every proposal is an Optuna trial, so the sampler learns from
+constraints (docs/search.md). With ``costs`` (:class:`search.stages.KnobCosts`) saying the
+batch limit restarts replicas or cannot be changed, :meth:`Tuner.proposal` also says which
+batch cap to hold and when it changes (:mod:`search.stager`). Every proposal is an Optuna trial, so the sampler learns from
 all of them and optuna-dashboard shows the study, its objective named ``goodput``.
 
 Storage: a plain path is a JournalStorage file, a URL (``sqlite:///x.db``) goes to Optuna
