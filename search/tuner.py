@@ -7,8 +7,9 @@ roofline guide (:mod:`search.guide`), re-measurement of the incumbent until it i
 (:mod:`search.remeasure`, :mod:`search.evidence`), then Optuna's sampler with both latency
 constraints (docs/search.md). With ``costs`` (:class:`search.stages.KnobCosts`) saying the
 batch limit restarts replicas or cannot be changed, :meth:`Tuner.proposal` also says which
-batch cap to hold and when it changes (:mod:`search.stager`). Every proposal is an Optuna trial, so the sampler learns from
-all of them and optuna-dashboard shows the study, its objective named ``goodput``.
+batch cap to hold and when it changes (:mod:`search.stager`). Every proposal is an Optuna
+trial, so the sampler learns from all of them and optuna-dashboard shows the study, its
+objective named ``goodput``.
 
 Storage: a plain path is a JournalStorage file, a URL (``sqlite:///x.db``) goes to Optuna
 as is, None keeps the study in memory. On opening an existing study, trials a killed
