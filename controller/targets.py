@@ -193,7 +193,9 @@ async def measure_window(
             ):
                 break
         t1 = time.time()
-        obs = await asyncio.to_thread(reader.end, token, start_s=t0, end_s=t1)
+        # A reader of the client's own records (controller.windows.ClientWindow) gets them.
+        extra = {"records": list(done)} if getattr(reader, "needs_client_records", False) else {}
+        obs = await asyncio.to_thread(reader.end, token, start_s=t0, end_s=t1, **extra)
         after = await asyncio.to_thread(fleet) if fleet else ()
     finally:
         stop.set()

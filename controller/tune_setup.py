@@ -13,12 +13,13 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controller.errors import BadInput
 from controller.tune_plan import SearchPlan, hardware_spec, plan_search
 
 if TYPE_CHECKING:
+    from controller.backends.actuator import Actuator
     from controller.targets import RequestShape
     from controller.windows import WindowReader
     from metrics.observation import Slo
@@ -37,6 +38,7 @@ class Setup:
     reader_desc: str
     started_ray: bool
     device: str
+    actuator: Actuator  # how knob changes reach the deployment (controller/backends/)
 
 
 def start_local_ray() -> tuple[int, int]:
@@ -124,14 +126,35 @@ def _check_reachable(address: str) -> None:
         ) from None
 
 
-def serve_url(app: str) -> str:
-    """http://host:port/prefix of ``app`` from Serve's own details."""
-    from ray.serve.context import _get_global_client
+def serve_details(dashboard_url: str | None) -> dict[str, Any]:
+    """Serve's instance details (``ServeInstanceDetails`` as a dict): through the public
+    REST API at ``dashboard_url``, or, with None, in process from the embedded cluster
+    slotune started (no dashboard there: serving/app/ray_private.py)."""
+    if dashboard_url is not None:
+        from controller.backends.actuator import ActuatorError, ActuatorUnavailable
+        from controller.backends.serve_rest import ServeRest
+        from serving.app.cluster import read_token
 
-    client = _get_global_client(raise_if_no_controller_running=False)
+        rest = ServeRest(dashboard_url, token=read_token())
+        try:
+            return rest.details()
+        except (ActuatorError, ActuatorUnavailable) as e:
+            raise BadInput(f"--dashboard-url {dashboard_url}: {e}") from None
+        finally:
+            rest.close()
+    from serving.app.ray_private import serve_client
+    from serving.app.ray_private import serve_details as private_details
+
+    client = serve_client(start=False)
     if client is None:
         raise BadInput("no Ray Serve instance runs on this cluster: nothing to tune")
-    details = client.get_serve_details()
+    return private_details(client)
+
+
+def serve_url(app: str, details: dict[str, Any] | None = None) -> str:
+    """http://host:port/prefix of ``app`` from Serve's details (read from the embedded
+    cluster when not given)."""
+    details = serve_details(None) if details is None else details
     apps = details.get("applications", {})
     if app not in apps:
         raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
@@ -143,22 +166,16 @@ def serve_url(app: str) -> str:
 
 
 def check_deployment(app: str, deployment: str | None) -> None:
+    """BadInput unless ``app`` runs (and has ``deployment``, when named), through Serve's
+    public ``serve.status()``. Any deployment will do: the actuator changes its knobs."""
     from ray import serve
-
-    from serving.app.config import DEPLOYMENT_NAME
 
     apps = serve.status().applications
     if app not in apps:
         raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
     deps = apps[app].deployments
-    name = deployment or DEPLOYMENT_NAME
-    if name not in deps:
-        raise BadInput(f"--deployment {name}: not in app {app!r} (it has {sorted(deps)})")
-    if name != DEPLOYMENT_NAME:
-        raise BadInput(
-            f"--deployment {name}: slotune turns the batch limit of serving.app.server:app "
-            f"deployments ({DEPLOYMENT_NAME}) live; this one has no such knob"
-        )
+    if deployment is not None and deployment not in deps:
+        raise BadInput(f"--deployment {deployment}: not in app {app!r} (it has {sorted(deps)})")
 
 
 def ray_metrics_url() -> str:
@@ -198,17 +215,14 @@ def embedded_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
-def replica_threads(app: str) -> tuple[int, str]:
+def replica_threads(app: str, details: dict[str, Any] | None = None) -> tuple[int, str]:
     """The torch thread count the replicas of ``app`` run with (its ``torch_threads``
-    app argument, as Serve reports the deployed config), and where that came from."""
-    from ray.serve.context import _get_global_client
-
+    app argument, as Serve's details show the deployed config), and where that came from."""
     from serving.app.config import ServerArgs
 
     default = ServerArgs(model="tiny").torch_threads
     try:
-        client = _get_global_client(raise_if_no_controller_running=False)
-        details = client.get_serve_details() if client is not None else {}
+        details = serve_details(None) if details is None else details
         cfg = (details.get("applications", {}).get(app) or {}).get("deployed_app_config") or {}
         args = cfg.get("args") or {}
         if "torch_threads" in args:
@@ -256,24 +270,55 @@ def prepare(
     price: float | None,
     shape: RequestShape,
     quiet: bool,
+    actuator: str | None = None,
+    batch_knob: str | None = None,
+    dashboard_url: str | None = None,
 ) -> Prepared:
     """Start or attach, deploy if needed, calibrate at the replica's thread count, and plan
     the search.
 
     No ``address`` and no ``app_name``: start a local Ray and deploy the built-in ``model``
-    with ``max_slots`` KV slots; ``address`` alone: attach and deploy there; ``app_name``:
-    attach to that existing application (``deployment`` within it). ``url`` overrides the
-    app's HTTP base, ``metrics_url`` or ``prometheus_url`` the metrics source (names
-    carrying ``prefix``); ``shape`` sets the context the roofline predicts at."""
+    with ``max_slots`` KV slots (the ``embedded`` actuator); ``address`` alone: attach and
+    deploy there; ``app_name``: attach to that existing application (``deployment`` within
+    it). Attached, knobs go through ``actuator`` (default ``serve``: Serve's REST API at
+    ``dashboard_url``, else the attached cluster's dashboard; ``batch_knob`` names the
+    batch limit's config path). ``actuator='none'``: no Ray at all, the server at ``url``
+    is measured as it is. ``url`` overrides the app's HTTP base, ``metrics_url`` or
+    ``prometheus_url`` the metrics source (names carrying ``prefix``); ``shape`` sets the
+    context the roofline predicts at."""
+    from controller.backends.registry import ACTUATORS
+
+    if actuator is not None and actuator not in ACTUATORS:
+        raise BadInput(f"--actuator {actuator}: must be one of {ACTUATORS}")
+    context = round(shape.prompt_tokens.mean + shape.output_tokens.mean / 2)
+    device = local_device()
+    if actuator == "none":
+        return _prepare_unmanaged(
+            app_name=app_name,
+            url=url,
+            metrics_url=metrics_url,
+            prometheus_url=prometheus_url,
+            prefix=prefix,
+            slo=slo,
+            model=model,
+            max_slots=max_slots,
+            price=price,
+            context=context,
+            device=device,
+            quiet=quiet,
+        )
     from serving.app.config import LiveConfig, ServerArgs
     from serving.app.deploy import deploy_app
     from serving.app.replicas import DeployError
 
     app = app_name
-    context = round(shape.prompt_tokens.mean + shape.output_tokens.mean / 2)
-    device = local_device()
     started = False
     if address is None and app is None:
+        if actuator not in (None, "embedded"):
+            raise BadInput(
+                f"--actuator {actuator}: the local Ray slotune starts has no dashboard; "
+                "its own app is tuned by the embedded actuator (omit --actuator)"
+            )
         if not quiet:
             print("slotune: starting a local Ray and Serve (127.0.0.1) ...", file=sys.stderr)
         metrics_port, _ = start_local_ray()
@@ -281,11 +326,15 @@ def prepare(
         metrics_url = metrics_url or f"http://127.0.0.1:{metrics_port}/metrics"
     else:
         attach_ray(address)
+    name = "embedded" if started else (actuator or "serve")
+    rest_url = None
+    if name in ("serve", "serve-llm"):
+        rest_url = dashboard_url or _cluster_dashboard_url()
     if app is None:
         threads, threads_from = embedded_threads(), "the built-in deployment"
     else:
         check_deployment(app, deployment)
-        threads, threads_from = replica_threads(app)
+        threads, threads_from = replica_threads(app, serve_details(rest_url))
     hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
     hw_note += f"; replica threads from {threads_from}"
     searched = plan_search(
@@ -327,11 +376,91 @@ def prepare(
     )
     setup = Setup(
         app=app,
-        url=url or serve_url(app),
+        url=url or serve_url(app, serve_details(rest_url)),
         reader=reader,
         reader_desc=desc,
         started_ray=started,
         device=device,
+        actuator=_make_actuator(
+            name,
+            app=app,
+            deployment=deployment,
+            batch_knob=batch_knob,
+            dashboard_url=rest_url,
+            slo=slo,
+        ),
+    )
+    return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
+
+
+def _cluster_dashboard_url() -> str:
+    from controller.backends.actuator import ActuatorError
+    from controller.backends.serve_rest import dashboard_url_of_cluster
+
+    try:
+        return dashboard_url_of_cluster()
+    except ActuatorError as e:
+        raise BadInput(f"{e} (or choose --actuator embedded)") from None
+
+
+def _make_actuator(name: str, **kw: Any) -> Actuator:
+    from controller.backends.actuator import ActuatorError, ActuatorUnavailable
+    from controller.backends.registry import make_actuator
+
+    try:
+        return make_actuator(name, **kw)
+    except (ActuatorError, ActuatorUnavailable, ValueError) as e:
+        raise BadInput(f"--actuator {name}: {e}") from None
+
+
+def _prepare_unmanaged(
+    *,
+    app_name: str | None,
+    url: str | None,
+    metrics_url: str | None,
+    prometheus_url: str | None,
+    prefix: str,
+    slo: Slo,
+    model: str,
+    max_slots: int,
+    price: float | None,
+    context: int,
+    device: str,
+    quiet: bool,
+) -> Prepared:
+    """``--actuator none``: a server slotune measures but cannot configure. No Ray: the
+    server is ``url``, its metrics ``metrics_url``/``prometheus_url``, else the load
+    generator's own records."""
+    from controller.backends.none import NoActuator
+    from controller.windows import ClientWindow
+
+    if url is None:
+        raise BadInput("--actuator none: give --url, the server's HTTP base")
+    app = app_name or "server"
+    if metrics_url or prometheus_url:
+        reader, desc = make_reader(
+            slo=slo,
+            app=app,
+            metrics_url=metrics_url,
+            prometheus_url=prometheus_url,
+            prefix=prefix,
+        )
+    else:
+        reader, desc = ClientWindow(slo=slo), "the load generator's own records"
+    threads = embedded_threads()
+    hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
+    hw_note += "; the server's threads are unknown (assumed as the built-in's)"
+    searched = plan_search(
+        model=model, hardware=hw, slo=slo, price=price, max_slots=max_slots, context=context
+    )
+    setup = Setup(
+        app=app,
+        url=url,
+        reader=reader,
+        reader_desc=desc,
+        started_ray=False,
+        device=device,
+        actuator=NoActuator(),
     )
     return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
 
