@@ -24,10 +24,8 @@ from search.guide import Guide
 from search.space import PARAM_CONCURRENCY, Knobs, SearchSpace
 from search.stage_sampler import StageSampler
 from search.stages import (
-    ChangeSummary,
     KnobCosts,
     StageState,
-    change_summary,
     concurrency_bounds,
     concurrency_max,
     first_cap,
@@ -168,9 +166,3 @@ class Stager:
         if self.costs.batch != "restart" or "batch_cap" not in user_attrs:
             return None
         return int(user_attrs["batch_cap"])
-
-    def summary(self, study: optuna.Study) -> ChangeSummary:
-        attrs = [
-            t.user_attrs for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING
-        ]
-        return change_summary(attrs, mode=self.costs.batch)
