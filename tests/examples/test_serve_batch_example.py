@@ -122,8 +122,8 @@ def _config(max_batch_size: int, max_ongoing_requests: int) -> dict[str, Any]:
     app["args"]["d_model"] = 256  # a lighter model: this is about batching, not speed
     (dep,) = app["deployments"]
     dep["max_ongoing_requests"] = max_ongoing_requests
-    # a longer wait than the default 10 ms: batches fill even on a loaded 2-core machine
-    dep["user_config"] = {"max_batch_size": max_batch_size, "batch_wait_timeout_s": 0.05}
+    # a longer wait than the example's 0.1 s: batches fill even on a loaded 2-core machine
+    dep["user_config"] = {"max_batch_size": max_batch_size, "batch_wait_timeout_s": 0.2}
     return app
 
 
@@ -214,10 +214,10 @@ def test_serves_batches_and_retunes_in_place(example: str) -> None:
     models = httpx.get(base + "/v1/models", timeout=30, trust_env=False).json()
     assert models["data"][0]["id"] == "serve-batch-tiny-gru"
     before = _stats(base)
-    assert before["max_batch_size"] == 4
+    assert before["max_batch_size"] == 4 and before["batch_wait_timeout_s"] == 0.2
     assert before["torch_threads"] == 1 and before["omp_wait_policy"] == "PASSIVE"
 
-    asyncio.run(_burst(base, n=12, max_tokens=24))
+    asyncio.run(_burst(base, n=12, max_tokens=64))
     _check_batches(base, limit=4)
 
     async def retune_under_load() -> dict[str, Any]:
@@ -238,6 +238,6 @@ def test_serves_batches_and_retunes_in_place(example: str) -> None:
     assert _running()
 
     httpx.post(base + "/stats/reset", timeout=30, trust_env=False).raise_for_status()
-    asyncio.run(_burst(base, n=6, max_tokens=24))
+    asyncio.run(_burst(base, n=6, max_tokens=64))
     s = _check_batches(base, limit=2)
     assert (s["pid"], s["replica_id"]) == (before["pid"], before["replica_id"])
