@@ -534,17 +534,13 @@ def test_stop_strings_and_400s_live(base: str) -> None:
 
 
 def test_ignore_eos_drops_only_eos_from_the_stop_ids() -> None:
-    from types import SimpleNamespace
+    from serving.app.completions import request_stop_ids
 
-    from serving.app.server import CompletionServer
+    def stop_ids(**body: object) -> frozenset[int]:
+        req = oreq.parse_completion_request({"prompt": "x"} | body, served_model=MODEL)
+        return request_stop_ids(req, eos_id=EOS)
 
-    server = SimpleNamespace(eos_id=EOS)
-    stop_ids = CompletionServer.func_or_class._stop_ids
-
-    def req(**body: object) -> oreq.CompletionRequest:
-        return oreq.parse_completion_request({"prompt": "x"} | body, served_model=MODEL)
-
-    assert stop_ids(server, req()) == {EOS}
-    assert stop_ids(server, req(ignore_eos=True)) == frozenset()
-    assert stop_ids(server, req(ignore_eos=True, stop_token_ids=[46])) == {46}
-    assert stop_ids(server, req(stop_token_ids=[46, 46])) == {EOS, 46}
+    assert stop_ids() == {EOS}
+    assert stop_ids(ignore_eos=True) == frozenset()
+    assert stop_ids(ignore_eos=True, stop_token_ids=[46]) == {46}
+    assert stop_ids(stop_token_ids=[46, 46]) == {EOS, 46}

@@ -1,0 +1,350 @@
+"""The per-request flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+:class:`CompletionHandler` runs one request through: read the body (refused past the
+size limit before it is read), parse it (serving/app/openai_request.py), tokenize the
+prompt (refused by its character count first; long ones off the event loop), admit it
+(serving/app/admission.py: a 429 with ``Retry-After`` beyond the queue), generate, then
+stream it as SSE or collect it into one body (serving/app/openai_api.py,
+serving/app/text_output.py), recording every outcome in the replica's metrics. The Ray
+Serve deployment that routes requests here is serving/app/server.py.
+
+Every bad request is a 4xx with an OpenAI-style JSON error body. A request's TTFT and
+queue wait run from its arrival (its body read), so time in the admission queue is in them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from metrics import names
+from serving.app import openai_api as oa
+from serving.app import openai_request as oreq
+from serving.app.admission import Admission, Overloaded, Ticket
+from serving.app.config import ServerArgs
+from serving.app.serve_metrics import ServeMetrics
+from serving.app.text_output import TextOutput
+from serving.scheduler.plan import RequestTiming
+
+logger = logging.getLogger(__name__)
+
+# Prompts of more characters than this are tokenized in a worker thread, not on the loop
+# that streams every other request's tokens.
+TOKENIZE_INLINE_CHARS = 4096
+# A prompt of more characters than (context x the tokenizer's longest token x this) is too
+# long whatever normalization removes: refused without tokenizing it.
+PROMPT_CHARS_SLACK = 4
+
+
+def json_error(e: oa.ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def request_stop_ids(req: oreq.CompletionRequest, *, eos_id: int | None) -> frozenset[int]:
+    """The ids that end ``req``: the tokenizer's EOS unless ``ignore_eos``, and its
+    ``stop_token_ids`` (vLLM's ``ignore_eos`` leaves ``stop_token_ids`` in force)."""
+    eos = () if req.ignore_eos or eos_id is None else (eos_id,)
+    return frozenset(eos + req.stop_token_ids)
+
+
+class CompletionHandler:
+    """The completion routes of one replica, over its engine and admission.
+
+    ``metrics`` returns the replica's :class:`ServeMetrics` (made at first use, by the
+    deployment: serving/app/server.py); :meth:`on_finish` is the engine's finish hook.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        args: ServerArgs,
+        admission: Admission,
+        metrics: Callable[[], ServeMetrics],
+    ) -> None:
+        self.engine = engine  # serving.engine.async_engine.AsyncEngine (torch: not imported here)
+        self.args = args
+        self.admission = admission
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.eos_id: int | None = getattr(self.tokenizer, "eos_id", None)
+        context = engine.engine.scheduler.config.max_len
+        self.max_request_bytes = args.request_bytes_limit(context)
+        self.max_prompt_chars = context * self.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
+
+    def on_finish(self, timing: Any) -> None:
+        try:
+            self.metrics().record_finish(timing)
+        except Exception:
+            logger.exception("could not record metrics for %s", timing)
+
+    async def handle(self, request: Request, *, chat: bool) -> Response:
+        """Answer one completion (``chat``: chat completion) request."""
+        try:
+            raw = await self._read_body(request)
+            arrival = self.engine.engine.clock()  # the engine's clock: its TTFT starts here
+            body = oa.parse_json_body(raw)
+            del raw
+            parse = oreq.parse_chat_request if chat else oreq.parse_completion_request
+            req = parse(body, served_model=self.args.served_name)
+            prompt_ids = await self._prompt_ids(req)
+            max_tokens = req.max_tokens
+            if max_tokens is None:  # chat without a limit: what the context leaves
+                max_tokens = max(1, self.engine.engine.scheduler.config.max_len - len(prompt_ids))
+            try:
+                self.engine.validate(prompt_ids, max_tokens)
+            except ValueError as e:
+                raise oa.ApiError(str(e), param="prompt") from None
+            stop_ids = request_stop_ids(req, eos_id=self.eos_id)
+            self._check_min_tokens(req.min_tokens, max_tokens, stop_ids)
+        except oa.ApiError as e:
+            self.metrics().record_rejected(
+                names.REASON_BAD_REQUEST if e.status != 413 else names.REASON_TOO_LARGE
+            )
+            return json_error(e)
+        try:
+            ticket = await self.admission.acquire()
+        except Overloaded as e:
+            self.metrics().record_rejected(names.REASON_OVERLOADED)
+            err = oa.ApiError(str(e), status=429, type="server_overloaded", code="overloaded")
+            return json_error(err, headers={"Retry-After": str(e.retry_after_s)})
+        except BaseException as e:  # the client left while queued: accepted, not completed
+            self._record_aborted(e, arrival, None, 0)
+            raise
+        job = _Job(
+            req=req,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            cid=oa.new_completion_id(chat=chat),
+            arrival=arrival,
+            stop_ids=stop_ids,
+        )
+        if req.stream:
+            return StreamingResponse(self._stream(job, ticket), media_type=oa.SSE_MEDIA_TYPE)
+        try:
+            return await self._complete(job)
+        finally:
+            ticket.release()
+
+    def _check_min_tokens(self, min_tokens: int, max_tokens: int, stop_ids: frozenset[int]) -> None:
+        if min_tokens > max_tokens:
+            raise oa.ApiError(
+                f"min_tokens={min_tokens}: must be at most max_tokens={max_tokens}",
+                param="min_tokens",
+            )
+        vocab = self.engine.engine.config.vocab_size
+        if min_tokens and sum(1 for t in stop_ids if t < vocab) >= vocab:
+            raise oa.ApiError(
+                "min_tokens: every token id is a stop id, so no token could be sampled "
+                "before min_tokens",
+                param="min_tokens",
+            )
+
+    def _output(self, job: _Job) -> TextOutput:
+        return TextOutput(
+            decode=self.tokenizer.decode,
+            stop_ids=job.stop_ids,
+            stop=job.req.stop,
+            include_stop_str=job.req.include_stop_str_in_output,
+            min_tokens=job.req.min_tokens,
+        )
+
+    def _record_stop_string(self, job: _Job, output: TextOutput, first: float | None) -> None:
+        """A stop string ended the request: the engine request was aborted, so the engine
+        reports no timing; record the handler's view of it (first and last token as the
+        handler got them; no queue wait) as a completed request."""
+        now = self.engine.engine.clock()
+        timing = RequestTiming(
+            request_id=job.cid,
+            arrival_s=job.arrival,
+            admitted_s=math.nan,
+            first_token_s=now if first is None else first,
+            last_token_s=now,
+            prompt_tokens=len(job.prompt_ids),
+            generated_tokens=output.tokens,
+        )
+        self.on_finish(timing)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) past ``max_request_bytes`` before it is read: from its
+        ``Content-Length``, or as soon as a chunked upload streams past the limit."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            digits = declared.lstrip("0") or "0"
+            if not (digits.isascii() and digits.isdigit()):
+                raise oa.ApiError(f"Content-Length {declared[:40]!r}: not a byte count")
+            if len(digits) > 18 or int(digits) > limit:  # 18 digits: int() stays cheap
+                raise _too_large(int(digits) if len(digits) <= 18 else 10**18, limit)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody reads the answer; Serve counts a 4xx, not a 5xx
+            raise oa.ApiError("the client disconnected before its body arrived") from None
+        return b"".join(chunks)
+
+    async def _prompt_ids(self, req: oreq.CompletionRequest) -> list[int]:
+        """Token ids of the prompt; a text too long for the context by its length alone is
+        refused untokenized, and a long one is tokenized in a worker thread."""
+        context = self.engine.engine.scheduler.config.max_len
+        if not isinstance(req.prompt, str):
+            if len(req.prompt) >= context:  # before each id is checked, on the loop
+                raise oa.ApiError(
+                    f"prompt: {len(req.prompt)} token ids cannot fit the context of "
+                    f"{context} tokens with any output",
+                    param="prompt",
+                )
+            return list(req.prompt)
+        n = len(req.prompt)
+        if n > self.max_prompt_chars:
+            raise oa.ApiError(
+                f"prompt: {n} characters cannot fit the context of {context} tokens",
+                param="prompt",
+            )
+        try:
+            if n <= TOKENIZE_INLINE_CHARS:
+                return list(self.tokenizer.encode(req.prompt))
+            return list(await asyncio.to_thread(self.tokenizer.encode, req.prompt))
+        except (ValueError, TypeError) as e:  # UnicodeError is a ValueError
+            raise oa.ApiError(f"prompt: cannot be tokenized ({e})", param="prompt") from None
+
+    def _generate(self, job: _Job, *, flush_interval_s: float):
+        """Lists of token ids as the engine thread hands them over: the first at once,
+        then at most one list per ``flush_interval_s``, the end at once."""
+        return self.engine.generate_chunks(
+            job.prompt_ids,
+            max_tokens=job.max_tokens,
+            temperature=job.req.temperature,
+            request_id=job.cid,
+            stop_ids=job.stop_ids,
+            flush_interval_s=flush_interval_s,
+            arrival_s=job.arrival,
+            min_tokens=job.req.min_tokens,
+        )
+
+    async def _complete(self, job: _Job) -> Response:
+        output = self._output(job)
+        text = ""
+        # aclosing: a cancelled request (client gone) or one a stop string ended aborts
+        # the engine request and frees its KV slot at once. Nothing is sent before the
+        # end: the engine thread holds the tokens (inf) and wakes this handler only to
+        # finish (or, with stop strings, the handler reads as they come).
+        interval = self.args.stream_interval_s if job.req.stop else math.inf
+        gen = self._generate(job, flush_interval_s=interval)
+        clock, first = self.engine.engine.clock, None
+        try:
+            async with contextlib.aclosing(gen) as chunks:
+                async for chunk in chunks:
+                    first = first or clock()
+                    text += output.push(chunk)
+                    if output.stopped == "string":
+                        break
+        except BaseException as e:
+            self._record_aborted(e, job.arrival, first, output.tokens)
+            raise
+        if output.stopped == "string":
+            self._record_stop_string(job, output, first)
+        tail, finish = output.finish(job.max_tokens)
+        body = oa.completion_body(
+            completion_id=job.cid,
+            model=self.args.served_name,
+            text=text + tail,
+            finish=finish,
+            created=int(time.time()),
+            usage_=oa.usage(len(job.prompt_ids), output.tokens),
+            chat=job.req.chat,
+        )
+        return JSONResponse(body)
+
+    def _record_aborted(
+        self, e: BaseException, arrival: float, first: float | None, tokens: int
+    ) -> None:
+        """A request accepted (admitted or queued) that ended before completing: counted
+        with what it got (the engine reports only requests that finish)."""
+        reason = (
+            names.REASON_CLIENT_DISCONNECT
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit))
+            else names.REASON_ERROR
+        )
+        ttft = None if first is None else first - arrival
+        try:
+            self.metrics().record_aborted(reason=reason, ttft_s=ttft, generated_tokens=tokens)
+        except Exception:
+            logger.exception("could not record the aborted request")
+
+    async def _stream(self, job: _Job, ticket: Ticket) -> AsyncIterator[bytes]:
+        # aclosing: a cancelled request (client gone) or one a stop string ended aborts
+        # the engine request and frees its KV slot at once. The engine thread paces the
+        # stream (one hand-over per stream_interval_s after the first token), so every
+        # chunk that reaches this handler goes out as one event.
+        gen = self._generate(job, flush_interval_s=self.args.stream_interval_s)
+        clock, first = self.engine.engine.clock, None
+        output = self._output(job)
+        req, cid = job.req, job.cid
+
+        async def timed(chunks: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
+            nonlocal first
+            async for chunk in chunks:
+                first = first or clock()
+                yield chunk
+
+        try:
+            async with contextlib.aclosing(gen) as chunks:
+                async for event in oa.sse_completion_stream(
+                    timed(chunks),
+                    output=output,
+                    completion_id=cid,
+                    model=self.args.served_name,
+                    max_tokens=job.max_tokens,
+                    prompt_tokens=len(job.prompt_ids),
+                    chat=req.chat,
+                    include_usage=req.include_usage,
+                    continuous_usage=req.continuous_usage,
+                    interval_s=0.0,
+                    # tokens that end inside a character: the next one at once, so
+                    # pacing never holds text (the first included) past its interval
+                    on_incomplete=lambda: self.engine.flush_next(cid),
+                ):
+                    if output.stopped == "string" and event.endswith(oa.SSE_DONE):
+                        self._record_stop_string(job, output, first)
+                    yield event
+        except BaseException as e:
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                logger.info("request %s cancelled (client gone)", cid)
+            self._record_aborted(e, job.arrival, first, output.tokens)
+            raise
+        finally:
+            ticket.release()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """An admitted request, as the handlers run it."""
+
+    req: oreq.CompletionRequest
+    prompt_ids: list[int]
+    max_tokens: int  # req.max_tokens, or what the context leaves (chat without a limit)
+    cid: str
+    arrival: float  # engine clock
+    stop_ids: frozenset[int]
+
+
+def _too_large(size: int, limit: int) -> oa.ApiError:
+    return oa.ApiError(
+        f"request body of {size} bytes is over this server's limit of {limit} bytes",
+        status=413,
+        code="request_too_large",
+    )
