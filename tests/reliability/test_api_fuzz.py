@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 
 from serving.app import openai_api as oa
 from serving.app import openai_request as oreq
+from serving.app.openai_fields import COMPLETION_FIELDS
 
 SERVED = "slotune-tiny"
 # Every field the completion endpoint knows (honoured or default-only), plus unknown ones.
-FIELDS = sorted(oreq.COMPLETION_FIELDS) + ["bogus", "\ud800", ""]
+FIELDS = sorted(COMPLETION_FIELDS) + ["bogus", "\ud800", ""]
 
 # Text including lone surrogates (hypothesis leaves them out by default).
 texts = st.text(

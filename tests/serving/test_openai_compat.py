@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from serving.app import openai_api as oa
 from serving.app import openai_request as oreq
+from serving.app.openai_fields import CHAT_FIELDS
 from serving.app.text_output import TextOutput
 from serving.engine.engine import Engine
 from serving.model.config import ModelConfig
@@ -190,7 +191,7 @@ def test_chat_content_it_cannot_render_is_refused_naming_the_part(
 
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     body = {"prompt": "x", "compat_test_field": 1, "request_id": "r-1"}
-    with caplog.at_level(logging.WARNING, logger="serving.app.openai_request"):
+    with caplog.at_level(logging.WARNING, logger="serving.app.openai_fields"):
         oreq.parse_completion_request(body, served_model=MODEL)
         oreq.parse_completion_request(body, served_model=MODEL)
     logged = [r for r in caplog.records if "compat_test_field" in r.getMessage()]
@@ -225,7 +226,7 @@ chat_values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(sorted(oreq.CHAT_FIELDS) + ["bogus"]), chat_values))
+@given(st.dictionaries(st.sampled_from(sorted(CHAT_FIELDS) + ["bogus"]), chat_values))
 def test_chat_parser_returns_a_request_or_a_4xx(body: dict) -> None:
     try:
         req = oreq.parse_chat_request(body, served_model=MODEL)
