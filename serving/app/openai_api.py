@@ -1,11 +1,12 @@
 """OpenAI-compatible errors, JSON bodies in and out, and SSE framing.
 
 Pure functions and frozen dataclasses, no Ray and no torch: the Ray Serve app
-(serving/app/server.py) calls them, tests call them directly. Request fields and their
-policy are serving/app/openai_request.py's; the text a client sees, stop ids and stop
-strings serving/app/text_output.py's. Response shapes are OpenAI's ``text_completion``,
-``chat.completion`` and ``chat.completion.chunk`` (platform.openai.com/docs/api-reference,
-as vLLM serves them: vllm/entrypoints/openai/protocol.py ``CompletionStreamResponse``,
+(serving/app/completions.py) calls them, tests call them directly. Parsing request fields
+is serving/app/openai_request.py's, which fields are known serving/app/openai_fields.py's;
+the text a client sees, stop ids and stop strings serving/app/text_output.py's. Response
+shapes are OpenAI's ``text_completion``, ``chat.completion`` and ``chat.completion.chunk``
+(platform.openai.com/docs/api-reference, as vLLM serves them:
+vllm/entrypoints/openai/protocol.py ``CompletionStreamResponse``,
 ``ChatCompletionStreamResponse``).
 """
 

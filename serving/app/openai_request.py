@@ -1,7 +1,7 @@
 """Parsing ``POST /v1/completions`` and ``POST /v1/chat/completions`` bodies.
 
 Pure functions and frozen dataclasses, no Ray and no torch: the Ray Serve app
-(serving/app/server.py) calls them, tests call them directly. A chat request becomes the
+(serving/app/completions.py) calls them, tests call them directly. A chat request becomes the
 same :class:`CompletionRequest` as a completion, its prompt rendered from the messages
 by the plain chat template (serving/model/tokenizer.py ``render_chat``).
 
