@@ -12,7 +12,7 @@ Routes (relative to the route prefix):
 - ``POST /v1/completions``: OpenAI completions, SSE with ``stream: true``.
 - ``POST /v1/chat/completions``: OpenAI chat completions (the plain chat template of
   serving/model/tokenizer.py), SSE with ``stream: true``. Which request fields are
-  honoured, accepted at their default only, or ignored: serving/app/openai_request.py.
+  honoured, accepted at their default only, or ignored: serving/app/openai_fields.py.
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while the engine's step loop is alive.
 - ``GET /stats``: engine stats, pid, the applied live config, and what the process
