@@ -8,6 +8,7 @@ smaller model), updated the way ``serve deploy`` and slotune's serve actuator up
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import copy
 import json
@@ -45,6 +46,23 @@ def test_config_file_is_a_valid_serve_config() -> None:
     assert dep.max_ongoing_requests >= dep.user_config["max_batch_size"]
     assert dep.ray_actor_options.num_cpus == 0
     AppArgs.from_args(app.args)
+
+
+def test_example_imports_nothing_of_slotune() -> None:
+    """It stands for someone else's deployment: Ray, FastAPI, torch and itself only."""
+    slotune = {"serving", "metrics", "search", "controller"}
+    bad = []
+    for path in sorted((ROOT / "deploy").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in slotune]
+    assert not bad, bad
 
 
 def test_requests_become_jobs_or_4xx() -> None:
