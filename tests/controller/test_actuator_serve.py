@@ -1,0 +1,123 @@
+"""The ``serve`` actuator against the real Ray Serve: Serve's public REST API only.
+
+slotune's own app (deployed as a declarative config, like ``serve deploy`` would) is tuned
+through the dashboard of the session cluster: knobs change with no replica restart, a
+restart-forcing change is refused with nothing sent, and with two replicas an apply returns
+only once both run the new config while a foreign update during a window voids it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from controller.backends.actuator import ActuatorError
+from controller.backends.serve import ServeActuator
+from controller.targets import fleet_fault
+from metrics.observation import Observation, Slo
+from search.space import Knobs
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+APP = "actuator-serve"
+SLO = Slo(ttft_p99_s=3.0, tpot_p99_s=0.25)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(ray_cluster):
+    from serving.app.config import LiveConfig, ServerArgs
+    from serving.app.deploy import delete_app, deploy_app
+
+    deploy_app(
+        ServerArgs(model="tiny", max_slots=16),
+        LiveConfig(max_batch_size=2, ttft_p99_s=3.0, tpot_p99_s=0.25, max_ongoing_requests=16),
+        max_queued_requests=-1,
+        name=APP,
+        route_prefix=f"/{APP}",
+        num_replicas=2,
+    )
+    try:
+        yield ray_cluster
+    finally:
+        delete_app(APP)
+
+
+def _actuator(cluster, **kw) -> ServeActuator:
+    return ServeActuator(app=APP, dashboard_url=cluster.dashboard_url, **kw)
+
+
+def _replica_batches(cluster) -> set[int]:
+    from serving.app.deploy import replica_states
+
+    return {s.max_batch_size for s in replica_states(APP)}
+
+
+def test_knobs_change_live_through_rest_without_restart(two_replicas) -> None:
+    a = _actuator(two_replicas)
+    assert a.deployment == "CompletionServer"
+    before = a.fleet()
+    assert len(before) == 2
+    cost = a.apply(Knobs(max_batch_size=4, max_concurrency=12))
+    assert cost.changed and not cost.restarted
+    after = a.fleet()
+    assert [r[:2] for r in after] == [r[:2] for r in before]  # same replicas, same pids
+    assert a.current() == Knobs(max_batch_size=4, max_concurrency=12)
+    # Both replicas run it the moment apply returned (each reports what it applied) ...
+    assert _replica_batches(two_replicas) == {4}
+    # ... and the one serving HTTP says so too.
+    stats = httpx.get(f"{two_replicas.http_url}/{APP}/stats", timeout=30).json()
+    assert stats["max_batch_size"] == 4
+
+
+@pytest.mark.parametrize("knob", ["ray_actor_options.num_cpus", "args.max_slots"])
+def test_a_restart_forcing_change_is_refused_with_nothing_changed(two_replicas, knob) -> None:
+    a = _actuator(two_replicas)
+    config = a.rest.details()["applications"][APP]["deployed_app_config"]
+    fleet = a.fleet()
+    with pytest.raises(ActuatorError, match="restart replicas.*nothing was changed"):
+        _actuator(two_replicas, batch_knob=knob).apply(Knobs(max_batch_size=3, max_concurrency=12))
+    assert a.rest.details()["applications"][APP]["deployed_app_config"] == config
+    assert a.fleet() == fleet
+
+
+class _ForeignUpdateReader:
+    """A window reader whose window sees someone else update the deployment."""
+
+    def __init__(self, foreign: ServeActuator) -> None:
+        self.foreign = foreign
+
+    def begin(self) -> str:
+        return "tok"
+
+    def end(self, token: str, *, start_s: float, end_s: float) -> Observation:
+        self.foreign.apply(Knobs(max_batch_size=1, max_concurrency=7))
+        return Observation(start_s=start_s, end_s=end_s, completed=1, slo_met=1, source="fake")
+
+
+def test_a_window_never_spans_an_update(two_replicas) -> None:
+    from controller.targets import RequestShape, WindowPlan, measure_window
+    from serving.sim.workload import LengthDist
+
+    a = _actuator(two_replicas)
+    a.apply(Knobs(max_batch_size=2, max_concurrency=8))
+    assert _replica_batches(two_replicas) == {2}  # both replicas, before apply returned
+    assert len({r[2] for r in a.fleet()}) == 1
+    first = a.fleet()
+    a.apply(Knobs(max_batch_size=3, max_concurrency=8))
+    assert _replica_batches(two_replicas) == {3}
+    assert fleet_fault(first, a.fleet())  # an update between two reads is seen
+
+    m = asyncio.run(
+        measure_window(
+            url=f"{two_replicas.http_url}/{APP}",
+            knobs=Knobs(max_batch_size=2, max_concurrency=2),
+            slo=SLO,
+            plan=WindowPlan(warmup_s=0.5, window_s=1.0, max_window_s=5.0, min_requests=0),
+            shape=RequestShape(prompt_tokens=LengthDist(mean=4), output_tokens=LengthDist(mean=2)),
+            reader=_ForeignUpdateReader(_actuator(two_replicas)),
+            fleet=a.fleet,
+        )
+    )
+    assert "changed during the window" in m.fault
