@@ -65,8 +65,10 @@ class Target(Protocol):
         """The knobs the target runs on now, None if unknown."""
         ...
 
-    def apply(self, knobs: Knobs) -> None:
-        """Apply ``knobs`` live and return once they are in effect."""
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost | None:
+        """Apply ``knobs`` and return once they are in effect, with what that cost (None:
+        nothing to say). ``batch_cap``: the batch limit to write instead of the knobs'
+        (a staged search under a restarting batch knob; controller.backends.actuator)."""
         ...
 
     def measure(self, knobs: Knobs) -> Measurement:
@@ -268,9 +270,10 @@ class RayServeTarget:
     def current_knobs(self) -> Knobs | None:
         return self.actuator.current()
 
-    def apply(self, knobs: Knobs) -> None:
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:
         try:
-            self.last_cost = self.actuator.apply(knobs)
+            self.last_cost = self.actuator.apply(knobs, batch_cap=batch_cap)
+            return self.last_cost
         except ActuatorError as e:
             raise TargetError(str(e)) from e
         except ActuatorUnavailable as e:

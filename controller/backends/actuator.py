@@ -75,8 +75,12 @@ class Actuator(Protocol):
         """The knobs the deployment runs on now (None: unknown or not configurable)."""
         ...
 
-    def apply(self, knobs: Knobs) -> ApplyCost:
-        """Apply ``knobs``; return once every replica runs them (ActuatorError if refused)."""
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:
+        """Apply ``knobs``; return once every replica runs them (ActuatorError if refused).
+
+        ``batch_cap`` (a staged search under a restarting batch knob) is the batch limit to
+        write instead of ``knobs.max_batch_size``, which is then the batch the trial runs
+        at; None writes ``knobs.max_batch_size``."""
         ...
 
     def fleet(self) -> Fleet:

@@ -55,14 +55,14 @@ class EmbeddedActuator:
         except ValueError:
             return None
 
-    def apply(self, knobs: Knobs) -> ApplyCost:
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:
         from serving.app.deploy import update_knobs
         from serving.app.replicas import DeployError
 
         t0 = time.monotonic()
         try:
             update_knobs(
-                max_batch_size=int(knobs.max_batch_size),
+                max_batch_size=int(knobs.max_batch_size if batch_cap is None else batch_cap),
                 max_ongoing_requests=int(knobs.max_concurrency),
                 slo=self.slo,
                 app_name=self.app,

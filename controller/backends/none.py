@@ -23,7 +23,7 @@ class NoActuator:
     def current(self) -> Knobs | None:
         return None
 
-    def apply(self, knobs: Knobs) -> ApplyCost:
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:
         return ApplyCost(seconds=0.0, restarted=False, changed=False)
 
     def fleet(self) -> Fleet:

@@ -163,12 +163,14 @@ class ServeActuator:
         """Config paths whose change may restart replicas (none: refuse any restart)."""
         return frozenset()
 
-    def plan(self, details: dict[str, Any], knobs: Knobs) -> tuple[dict[str, Any], bool]:
-        """(new app config, whether it restarts replicas); ActuatorError, before anything
-        is sent, when it would restart them where that is not allowed."""
+    def plan(
+        self, details: dict[str, Any], knobs: Knobs, batch: int
+    ) -> tuple[dict[str, Any], bool]:
+        """(new app config with ``batch`` and the knobs' admission limit, whether it
+        restarts replicas); ActuatorError, before anything is sent, when it would restart
+        them where that is not allowed."""
         old = self._app_config(details)
         dep = deployment_details(details, self.app, self.deployment)
-        batch = int(knobs.max_batch_size)
         new = with_knobs(
             old,
             deployment=self.deployment,
@@ -189,28 +191,36 @@ class ServeActuator:
         restarts = any(e != "live" for _, e in restarting_changes(old, new))
         return new, restarts
 
-    def _in_effect(self, knobs: Knobs, dep: dict[str, Any]) -> bool:
+    def _in_effect(self, knobs: Knobs, batch: int, dep: dict[str, Any]) -> bool:
         cfg = dep.get("deployment_config") or {}
         if cfg.get("max_ongoing_requests") != int(knobs.max_concurrency):
             return False
         if self.batch_path.scope == "app":
             return True
-        return get_path(cfg, self.batch_path.parts, None) == int(knobs.max_batch_size)
+        return get_path(cfg, self.batch_path.parts, None) == batch
 
-    def apply(self, knobs: Knobs) -> ApplyCost:
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:
         t0 = time.monotonic()
+        batch = int(knobs.max_batch_size if batch_cap is None else batch_cap)
         details = self.rest.details()
-        new, restarts = self.plan(details, knobs)
+        new, restarts = self.plan(details, knobs, batch)
         if new == self._app_config(details):
             dep = self.rest.wait(self.app, self.deployment, lambda d: True, timeout_s=30.0)
-            if self._in_effect(knobs, dep):
+            if self._in_effect(knobs, batch, dep):
                 return ApplyCost(seconds=time.monotonic() - t0, changed=False)
         before = {r[0] for r in fleet_of(deployment_details(details, self.app, self.deployment))}
         self.rest.put(details, replace_app(declarative_apps(details), new))
-        log.info("applied %s to %s/%s (restart: %s)", knobs, self.app, self.deployment, restarts)
+        log.info(
+            "applied %s (batch %d) to %s/%s (restart: %s)",
+            knobs,
+            batch,
+            self.app,
+            self.deployment,
+            restarts,
+        )
 
         def done(dep: dict[str, Any]) -> bool:
-            if not self._in_effect(knobs, dep):
+            if not self._in_effect(knobs, batch, dep):
                 return False
             # A restart replaces every replica: none of those from before may remain.
             return not restarts or not before & {r[0] for r in fleet_of(dep)}
