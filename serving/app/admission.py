@@ -4,7 +4,7 @@ waiting for a place (first come, first served), and anything beyond refused at o
 Ray Serve's own backpressure (``max_queued_requests``) answers from the proxy, in plain
 text, and its count is per router, so a replica behind it sees its stated limits
 overshot. Admitting here makes the limits exact for this replica and the refusal an
-OpenAI-style JSON 429 with ``Retry-After`` (serving/app/server.py), and puts the time
+OpenAI-style JSON 429 with ``Retry-After`` (serving/app/completions.py), and puts the time
 spent waiting here in the replica's TTFT and queue-wait histograms (time in Serve's
 router never was). Ray 2.60's Serve-level limits, for comparison: ``max_queued_requests``
 is counted by each router on its own (ray/serve/_private/router.py,
