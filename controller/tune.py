@@ -41,6 +41,7 @@ from metrics.observation import DEFAULT_SLO, Slo
 from search.space import Knobs
 
 if TYPE_CHECKING:
+    from controller.backends.actuator import ApplyCost
     from search.tuner import Tuner
 
 log = logging.getLogger(__name__)
@@ -186,16 +187,21 @@ def _tune(
                 why = tuner.stop_reason()
                 stop_reason = f"stop rule: {why}" if why else "stop rule"
                 break
-            knobs = tuner.propose()
+            proposal = tuner.proposal()
+            knobs, cap = proposal.knobs, proposal.batch_cap
             progress.begin(len(records) + 1, total, knobs)
             t0 = clock()
-            target.apply(knobs)
-            m, faults = _measure_clean(target, knobs, limits, progress, sleep)
-            told = tuner.report(knobs, m.observation)
+            restart_s = _restart_seconds(target.apply(knobs, batch_cap=cap))
+            m, faults = _measure_clean(target, knobs, cap, limits, progress, sleep)
+            told = tuner.report(knobs, m.observation, change_cost_s=restart_s)
             number = told.number
             discarded += [f"trial {number} (B={knobs.max_batch_size}): {f}" for f in faults]
             # the tuner's reason, then what the metrics source said (why stale or thin)
             note = m.note or "; ".join(x for x in (told.reason, m.observation.note) if x)
+            if restart_s:
+                note = f"batch limit {cap} applied by a replica restart ({restart_s:.0f} s)" + (
+                    f"; {note}" if note else ""
+                )
             if faults:
                 note = f"re-measured after {len(faults)} faulty window(s): {faults[-1]}" + (
                     f"; {note}" if note else ""
@@ -231,7 +237,9 @@ def _tune(
         except Exception as e:  # the study must not hide the original fault
             log.warning("could not mark the interrupted trial failed: %s", e)
         progress.message(f"[red]{aborted}[/]: exporting the best so far")
-    report = base.with_trials(records, stop_reason=stop_reason)
+    report = base.with_trials(
+        records, stop_reason=stop_reason, backend={**base.backend, **_changes(tuner)}
+    )
     final, note = _leave_on_known_good(report, original, target)
     meta = dict(report.meta)
     meta.update(
@@ -262,9 +270,27 @@ def _tune(
     )
 
 
+def _changes(tuner: Tuner) -> dict[str, Any]:
+    """How the batch limit moved during the search, for the report (nothing when it was
+    changed live: only a restarting or an unapplied batch limit is worth a line)."""
+    summary = tuner.change_summary()
+    if summary.mode == "live":
+        return {}
+    out: dict[str, Any] = {"batch_limit": summary.mode, "batch_caps": list(summary.caps)}
+    if summary.mode == "restart":
+        out.update(restarts=summary.batch_changes, restart_s=round(summary.change_cost_s, 1))
+    return out
+
+
+def _restart_seconds(cost: ApplyCost | None) -> float:
+    """Seconds a knob change spent restarting replicas (0 for a live change)."""
+    return cost.seconds if cost is not None and cost.restarted else 0.0
+
+
 def _measure_clean(
     target: Target,
     knobs: Knobs,
+    cap: int | None,
     limits: TuneLimits,
     progress: Progress,
     sleep: Callable[[float], None],
@@ -290,7 +316,7 @@ def _measure_clean(
             f"[yellow]window discarded[/]: {m.fault}; re-applying {knobs} and measuring again "
             f"({len(faults)}/{limits.remeasures})"
         )
-        target.apply(knobs)
+        target.apply(knobs, batch_cap=cap)
 
 
 def _measure_with_retries(

@@ -44,7 +44,7 @@ class FakeTarget:
     def describe(self) -> dict:
         return {"target": "fake"}
 
-    def apply(self, knobs: Knobs) -> None:
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> None:
         self.applied.append(knobs)
 
     def measure(self, knobs: Knobs) -> Measurement:
@@ -299,7 +299,7 @@ class SimAsTarget:
     def current_knobs(self) -> Knobs | None:
         return None
 
-    def apply(self, knobs: Knobs) -> None:
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> None:
         pass
 
     def measure(self, knobs: Knobs) -> Measurement:

@@ -85,7 +85,7 @@ def test_the_original_knobs_are_saved_before_the_first_change(tmp_path: Path) ->
     seen: list[bool] = []
 
     class Watching(FakeTarget):
-        def apply(self, knobs: Knobs) -> None:
+        def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> None:
             seen.append(record.exists())
             super().apply(knobs)
 
@@ -151,7 +151,7 @@ class Deployment(tt.FakeTarget):
         return Knobs(**json.loads(state.read_text()))
     def describe(self):
         return {"target": "fake", "app": "deployment-file"}
-    def apply(self, knobs):
+    def apply(self, knobs, *, batch_cap=None):
         super().apply(knobs)
         state.write_text(json.dumps({"max_batch_size": knobs.max_batch_size,
                                      "max_concurrency": knobs.max_concurrency}))
