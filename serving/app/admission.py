@@ -13,6 +13,13 @@ queue a replica sees is a multiple of it; the refusal is ``BackPressureError``, 
 message the proxy sends as plain text (ray/serve/_private/http_util.py), with the status
 and ``Retry-After`` of ``BackpressureConfig`` (ray/serve/config.py; 503 by default).
 
+The limit is the replica's own (``user_config.max_ongoing_requests``: the embedded path,
+serving/app/deploy.py) or, when that is unset, ``default_limit()``: the deployment's own
+``max_ongoing_requests`` (serving/app/server.py reads it live from Serve's replica
+context), so a deployment tuned through Serve's config alone (controller/backends/serve.py)
+admits what its config says. It is read at every decision, because Serve changes it
+without calling the replica's ``reconfigure`` when the ``user_config`` stays the same.
+
 A place is a :class:`Ticket`: released exactly once, by whoever finishes with the request
 (a stream's end, its cancellation) or, failing all of those, when the ticket is garbage
 collected, so a response that never started cannot leak a place.
@@ -26,6 +33,7 @@ import math
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 
 class Overloaded(Exception):
@@ -48,13 +56,21 @@ class Ticket:
 
 
 class Admission:
-    """``limit`` requests at a time (None: no limit); ``queue`` more may wait (None: any).
+    """``limit`` requests at a time (None: ``default_limit()``, and no limit without one);
+    ``queue`` more may wait (None: any).
 
     Used from one event loop; :meth:`set_limits` may be called from any thread."""
 
-    def __init__(self, *, limit: int | None = None, queue: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        limit: int | None = None,
+        queue: int | None = None,
+        default_limit: Callable[[], int | None] | None = None,
+    ) -> None:
         self.limit = limit
         self.queue = queue
+        self._default_limit = default_limit
         self.running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -64,8 +80,16 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def effective_limit(self) -> int | None:
+        """The limit in force now: ``limit``, else ``default_limit()`` (None: no limit)."""
+        if self.limit is not None or self._default_limit is None:
+            return self.limit
+        return self._default_limit()
+
     def _has_place(self) -> bool:
-        return self.limit is None or self.running < self.limit
+        limit = self.effective_limit
+        return limit is None or self.running < limit
 
     def set_limits(self, *, limit: int | None, queue: int | None) -> None:
         """New limits from now on; waiters a larger limit makes room for are admitted."""
@@ -76,7 +100,7 @@ class Admission:
     def retry_after_s(self) -> int:
         """Seconds until a place is likely free: the queue ahead drains at ``limit``
         requests per mean holding time; at least 1, at most 60."""
-        per_place = self._mean_s / max(1, self.limit or 1)
+        per_place = self._mean_s / max(1, self.effective_limit or 1)
         return int(min(60, max(1, math.ceil(per_place * (self.waiting + 1)))))
 
     async def acquire(self) -> Ticket:
@@ -84,13 +108,14 @@ class Admission:
         :class:`Overloaded` at once if none is free and the queue is full. A waiter whose
         client leaves (cancellation) gives its position, or the place it just got, back."""
         self._loop = asyncio.get_running_loop()
+        self._admit_waiting()  # a default limit may have grown since the last release
         if self._has_place() and not self._waiters:
             self.running += 1
             return Ticket(self)
         if self.queue is not None and self.waiting >= self.queue:
             raise Overloaded(
-                f"the server is at its limit of {self.limit} requests with {self.waiting} "
-                f"queued (its queue holds {self.queue}): retry later",
+                f"the server is at its limit of {self.effective_limit} requests with "
+                f"{self.waiting} queued (its queue holds {self.queue}): retry later",
                 retry_after_s=self.retry_after_s(),
             )
         fut: asyncio.Future[None] = self._loop.create_future()

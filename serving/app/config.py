@@ -155,7 +155,10 @@ class LiveConfig:
     own Serve option ``max_ongoing_requests`` is set above their sum
     (serving/app/deploy.py ``app_config``), so the replica, not Serve's proxy, decides.
     Carrying them here makes ``reconfigure`` run when they change, so the replica can
-    confirm the update (serving/app/deploy.py waits on it).
+    confirm the update (serving/app/deploy.py waits on it). Unset, the replica admits the
+    deployment's own ``max_ongoing_requests``, read live, with no queue of its own (Serve's
+    router queues): the form for a deployment whose admission limit is tuned in its
+    Serve config (controller/backends/serve.py), so ``max_queued_requests`` needs it.
     ``version`` is a nonce that makes each update distinguishable.
     """
 
@@ -178,6 +181,11 @@ class LiveConfig:
         q = self.max_queued_requests
         if q is not None and (not _is_int(q) or q < 0):
             raise ValueError(f"max_queued_requests={q!r}: must be an integer >= 0 or None")
+        if q is not None and m is None:
+            raise ValueError(
+                f"max_queued_requests={q!r} without max_ongoing_requests: a replica queue needs "
+                "the replica's own limit; set both, or neither (the deployment's limit applies)"
+            )
 
     @property
     def slo(self) -> Slo:

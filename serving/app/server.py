@@ -21,8 +21,9 @@ Routes (relative to the route prefix):
 The completion routes' per-request flow (body limits, parsing, tokenizing, admission,
 generation, streaming, request metrics) is serving/app/completions.py's. Admission is
 the replica's (serving/app/admission.py): the live ``max_ongoing_requests`` in the
-engine, ``max_queued_requests`` waiting, and beyond that a 429 with ``Retry-After`` at
-once. The private Ray names this uses go through serving/app/ray_private.py.
+engine (the user_config's, else the deployment's own, read live),
+``max_queued_requests`` waiting, and beyond that a 429 with ``Retry-After`` at once.
+The private Ray names this uses go through serving/app/ray_private.py.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ class CompletionServer:
             num_threads=self.args.torch_threads,  # Ray set OMP_NUM_THREADS=1: be explicit
             events_per_s=self.args.stream_events_per_s or None,  # 0: no budget
         )
-        self.admission = Admission()
+        # Until a user_config sets the replica's own limit (and after one that does not),
+        # the deployment's max_ongoing_requests is the admission limit.
+        self.admission = Admission(default_limit=deployment_max_ongoing_requests)
         self.completions = CompletionHandler(
             engine=self.engine,
             args=self.args,
@@ -130,21 +133,19 @@ class CompletionServer:
 
     def _publish(self) -> None:
         """Record what this replica applied where serving/app/deploy.py can read it."""
-        state = self.state()  # the live config's limit: Ray's context lags inside reconfigure
+        # Ray's context lags inside reconfigure: a replica following the deployment's limit
+        # publishes the one before an update that changes both (its /stats is current).
+        state = self.state()
         ray_private.kv_put(self._kv_key, json.dumps(state).encode(), namespace=KV_NAMESPACE)
 
     def state(self) -> dict[str, Any]:
-        """Pid, applied live config, and the admission limit in force: the live config's
-        (the replica admits), else Ray's ``max_ongoing_requests`` (Serve admits)."""
-        ctx = serve.get_replica_context()
-        limit = self.live.max_ongoing_requests
+        """Pid, applied live config, and the admission limit in force: the live config's,
+        else the deployment's ``max_ongoing_requests``."""
         return {
             "pid": self.pid,
-            "replica": ctx.replica_tag,
+            "replica": serve.get_replica_context().replica_tag,
             "live": self.live.to_user_config(),
-            "max_ongoing_requests": (
-                ray_private.replica_max_ongoing_requests(ctx) if limit is None else limit
-            ),
+            "max_ongoing_requests": self.admission.effective_limit,
             "max_queued_requests": self.live.max_queued_requests,
             "admitted": self.admission.running,
             "queued": self.admission.waiting,
@@ -219,6 +220,20 @@ class CompletionServer:
         if path == "/stats":
             return JSONResponse(self.stats())
         return json_error(oa.ApiError(f"no route {path}", status=404, type="not_found"))
+
+
+def deployment_max_ongoing_requests() -> int:
+    """The ``max_ongoing_requests`` of this replica's deployment as Serve runs it now.
+
+    Read at each use, never cached: a lightweight update of ``max_ongoing_requests``
+    alone does not call the replica's ``reconfigure`` (the user_config is unchanged);
+    Serve's ``ReplicaBase.reconfigure`` stores the new deployment config and then replaces
+    the replica context with one holding it (``_set_internal_replica_context``,
+    ray/serve/_private/replica.py, Ray 2.60), so a fresh read sees the new limit once the
+    update is done (and the old one while the user's ``reconfigure`` of the same update
+    runs).
+    """
+    return ray_private.replica_max_ongoing_requests(serve.get_replica_context())
 
 
 def app(args: dict[str, Any] | None = None) -> serve.Application:
