@@ -37,6 +37,7 @@ from controller.load.generator import run_load
 from controller.load.spec import LoadSpec
 from metrics.samples import exact_quantile
 from search.calibrate.device import cpu_model_name
+from serving.app import ray_private
 from serving.app.cluster import free_loopback_port, start_local_ray
 from serving.sim.workload import LengthDist
 
@@ -47,17 +48,12 @@ PREFIX = "/bench-serve-batch"
 
 
 def _apply(app_config: dict[str, Any]) -> None:
-    """Put the app in Serve's declarative set, keeping the others (private Ray client API,
-    as serving/app/deploy.py uses it: what ``serve deploy`` sends)."""
-    import ray
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    client = _get_global_client()
-    live = ray.get(client._controller.get_app_configs.remote())
-    apps = {n: c.model_dump(exclude_unset=True) for n, c in live.items()}
+    """Put the app in Serve's declarative set, keeping the others (what ``serve deploy``
+    sends; Ray's private client API through serving/app/ray_private.py)."""
+    client = ray_private.serve_client(start=True)
+    apps = ray_private.declarative_app_configs(client)
     apps[APP] = app_config
-    client.deploy_apps(ServeDeploySchema.model_validate({"applications": list(apps.values())}))
+    ray_private.deploy_apps(client, list(apps.values()))
 
 
 def _config(limit: int, d_model: int, wait_s: float | None) -> dict[str, Any]:

@@ -147,9 +147,10 @@ async def serve_round(
 def proxy_pid() -> int:
     """The pid of Serve's (single, head-node) HTTP proxy actor."""
     import ray
-    from ray.serve.context import _get_global_client
 
-    (proxy,) = _get_global_client().get_serve_details()["proxies"].values()
+    from serving.app import ray_private
+
+    (proxy,) = ray_private.serve_details(ray_private.serve_client(start=False))["proxies"].values()
     actor = ray.get_actor(proxy["actor_name"], namespace="serve")
     return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
 

@@ -19,6 +19,8 @@ Who uses them and why:
   (``ReplicaContext._deployment_config``, ``ray.serve._private.constants``): server.py;
 - the loopback switch of a driver that imported ray already
   (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``): serving/app/cluster.py.
+- the address a bare ``ray.init()`` would attach to (``ray._private.utils.read_ray_address``):
+  tests/reliability/test_stale_cluster.py's control.
 
 Attached clusters with a dashboard use none of this: controller/backends/ talks to Serve
 through its public REST API.
@@ -100,6 +102,15 @@ def user_code_in_separate_thread() -> bool:
     from ray.serve._private import constants
 
     return bool(constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)
+
+
+def current_cluster_address() -> str | None:
+    """The address in Ray's current-cluster file (``$RAY_TMPDIR/ray/ray_current_cluster``,
+    where ``ray start`` writes it), which ``ray.init()`` without ``address="local"``
+    attaches to; None without the file (ray/_private/utils.py ``read_ray_address``)."""
+    from ray._private.utils import read_ray_address
+
+    return read_ray_address()
 
 
 def keep_loopback_flag() -> None:

@@ -111,26 +111,19 @@ def test_model_is_fixed_by_its_seed_and_batch_rows_are_independent() -> None:
 # -- on the session Ray cluster ----------------------------------------------------------
 
 
-def _client() -> Any:
-    """Serve's controller client (private Ray API, as serving/app/deploy.py uses it)."""
-    from ray.serve.context import _get_global_client
-
-    return _get_global_client()
-
-
 def _apply(app_config: dict[str, Any] | None) -> None:
     """Put (or, with None, remove) our app in the declarative set, keeping every other app:
-    what ``serve deploy`` and ``PUT /api/serve/applications/`` send."""
-    import ray
-    from ray.serve.schema import ServeDeploySchema
+    what ``serve deploy`` and ``PUT /api/serve/applications/`` send (through slotune's
+    serving/app/ray_private.py: the test may use slotune, the example may not)."""
+    from serving.app import ray_private
 
-    client = _client()
-    live = ray.get(client._controller.get_app_configs.remote())
-    apps = {n: c.model_dump(exclude_unset=True) for n, c in live.items()}
+    client = ray_private.serve_client(start=False)
+    assert client is not None, "Serve is not running on the session cluster"
+    apps = ray_private.declarative_app_configs(client)
     apps.pop(APP, None)
     if app_config is not None:
         apps[APP] = app_config
-    client.deploy_apps(ServeDeploySchema.model_validate({"applications": list(apps.values())}))
+    ray_private.deploy_apps(client, list(apps.values()))
 
 
 def _config(max_batch_size: int, max_ongoing_requests: int) -> dict[str, Any]:

@@ -27,10 +27,10 @@ def test_slotune_serve_starts_its_own_cluster_over_a_stale_file(monkeypatch) -> 
         (tmp / "ray").mkdir()
         (tmp / "ray" / "ray_current_cluster").write_text(dead)
         # The control: this is the file, and the address, Ray's "auto" would attach to.
-        from ray._private.utils import read_ray_address
+        from serving.app.ray_private import current_cluster_address
 
         monkeypatch.setenv("RAY_TMPDIR", str(tmp))
-        assert read_ray_address() == dead
+        assert current_cluster_address() == dead
 
         proc, out = start_serve(child_env(RAY_TMPDIR=str(tmp)), run_for_s=1)
         try:

@@ -20,7 +20,7 @@ def test_written_against_the_installed_ray() -> None:
 
 
 def test_the_private_names_it_uses_are_there() -> None:
-    from ray._private import ray_constants
+    from ray._private import ray_constants, utils
     from ray.experimental import internal_kv
     from ray.serve._private import constants
     from ray.serve._private.client import ServeControllerClient
@@ -36,6 +36,15 @@ def test_the_private_names_it_uses_are_there() -> None:
     assert "_deployment_config" in {f.name for f in dataclasses.fields(ReplicaContext)}
     assert isinstance(constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, bool)
     assert isinstance(ray_constants.ENABLE_RAY_CLUSTER, bool)
+    assert list(inspect.signature(utils.read_ray_address).parameters) == ["temp_dir"]
+
+
+def test_current_cluster_address_reads_the_file_under_ray_tmpdir(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert ray_private.current_cluster_address() is None
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379\n")
+    assert ray_private.current_cluster_address() == "127.0.0.1:6379"
 
 
 @pytest.mark.ray

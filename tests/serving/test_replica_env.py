@@ -40,8 +40,9 @@ start_local_ray(num_cpus=2, metrics_port=free(), http_port=port)
 try:
     deploy_app(ServerArgs(model="tiny"), LiveConfig(max_batch_size=8), name="envcheck")
     runtime = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=30).json()["runtime"]
-    from ray.serve.context import _get_global_client
-    (proxy,) = _get_global_client().get_serve_details()["proxies"].values()
+    from serving.app import ray_private
+    client = ray_private.serve_client(start=False)
+    (proxy,) = ray_private.serve_details(client)["proxies"].values()
     actor = ray.get_actor(proxy["actor_name"], namespace="serve")
     pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
     runtime["proxy_niceness"] = os.getpriority(os.PRIO_PROCESS, pid)
