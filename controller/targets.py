@@ -34,6 +34,7 @@ from controller.load.result import LoadResult, RequestRecord, client_observation
 from controller.load.spec import TraceItem, completions_url, saturating_spec
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.windows import WindowReader
+from metrics.build import with_client_goodput
 from metrics.observation import Observation, Slo
 from serving.sim.workload import LengthDist
 
@@ -151,6 +152,10 @@ class RequestShape:
     model: str | None = None  # None: the server's default model
     request_timeout_s: float = 60.0
     seed: int = 0
+    endpoint: str = "completions"  # controller.load.spec.ENDPOINTS
+    prompt_format: str = "text"  # controller.load.spec.PROMPT_FORMATS
+    tokenizer: str | None = None  # tokenizer.json: prompts sized in the served model's tokens
+    ignore_eos: bool = False  # ask the server for exactly the output lengths
 
 
 async def measure_window(
@@ -168,7 +173,7 @@ async def measure_window(
     ``fleet`` (if given) is read as the window begins and ends: a difference makes the
     window a fault (:attr:`Measurement.fault`), as do too many client errors."""
     spec = saturating_spec(
-        completions_url(url),
+        completions_url(url, shape.endpoint),
         max_concurrency=int(knobs.max_concurrency),
         duration_s=plan.warmup_s + plan.max_window_s + 60.0,
         prompt_tokens=shape.prompt_tokens,
@@ -177,6 +182,10 @@ async def measure_window(
         model=shape.model,
         request_timeout_s=shape.request_timeout_s,
         seed=shape.seed,
+        endpoint=shape.endpoint,
+        prompt_format=shape.prompt_format,
+        tokenizer=shape.tokenizer,
+        ignore_eos=shape.ignore_eos,
     )
     stop = asyncio.Event()
     done: list[RequestRecord] = []
@@ -205,6 +214,8 @@ async def measure_window(
     window = result.between(t0, t1)
     client = client_observation(window, slo)
     client = _with_times(client, t0, t1)
+    if not obs.slo_met_known:  # vLLM, SGLang: no SLO-labelled counter, the client counts it
+        obs = with_client_goodput(obs, client)
     note = ""
     if obs.completed == 0:
         note = "no completed requests in the window"

@@ -9,14 +9,23 @@ search (:class:`controller.tune_plan.SearchPlan`).
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from controller.attach import (
+    attach_ray,
+    check_deployment,
+    cluster_dashboard_url,
+    embedded_threads,
+    ray_metrics_url,
+    replica_threads,
+    serve_details,
+    serve_url,
+    start_local_ray,
+)
 from controller.errors import BadInput
-from controller.tune_plan import SearchPlan, hardware_spec, plan_search
+from controller.tune_plan import MODELS, SearchPlan, hardware_spec, plan_search
 
 if TYPE_CHECKING:
     from controller.backends.actuator import Actuator
@@ -24,6 +33,7 @@ if TYPE_CHECKING:
     from controller.windows import WindowReader
     from metrics.observation import Slo
     from search.roofline.hardware import HardwareSpec
+    from search.roofline.models import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -41,195 +51,74 @@ class Setup:
     actuator: Actuator  # how knob changes reach the deployment (controller/backends/)
 
 
-def start_local_ray() -> tuple[int, int]:
-    """A new Ray + Serve on this machine, loopback only, token auth on (a private token);
-    returns (metrics port, HTTP port). Never attaches to a running or stale cluster."""
-    from serving.app.cluster import free_loopback_port
-    from serving.app.cluster import start_local_ray as start
-
-    metrics_port, http_port = free_loopback_port(), free_loopback_port()
-    start(num_cpus=os.cpu_count() or 2, metrics_port=metrics_port, http_port=http_port)
-    return metrics_port, http_port
-
-
-# What Ray's GCS says when a driver's token is missing or wrong (gcs_client.cc, through
-# node.py's "Failed to connect to GCS"): ray.init then raises a plain ConnectionError.
-_AUTH_REFUSED = ("Unauthenticated", "InvalidAuthToken", "authentication token")
-
-
-def attach_ray(address: str | None) -> None:
-    """Attach this process to a running cluster (``address`` or Ray's ``auto``).
-
-    The token is Ray's own business: RAY_AUTH_MODE=token and one of RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token (Ray turns auth on by itself only for an
-    ``auto`` address). A refused token gets its own message, not "cannot connect".
-    """
-    import ray
-    from ray.exceptions import AuthenticationError
-
-    from serving.app.cluster import keep_loopback, ray_env_defaults
-
-    if address and address != "auto":
-        _check_reachable(address)
-    if ray.is_initialized():
-        return
-    ray_env_defaults()
-    target = address if address and address != "auto" else os.environ.get("RAY_ADDRESS", "")
-    if _host(target) in ("127.0.0.1", "localhost", "::1"):
-        keep_loopback()  # else ray.init dials the machine's routable IP, where nothing listens
-    try:
-        ray.init(address=address or "auto", log_to_driver=False)
-    except AuthenticationError as e:
-        raise BadInput(_auth_message(address, str(e).splitlines()[0])) from None
-    except Exception as e:  # ConnectionError, RuntimeError... all mean "cannot attach"
-        cause = f"{e} {e.__cause__ or ''}"
-        if any(s in cause for s in _AUTH_REFUSED):
-            raise BadInput(_auth_message(address, "the cluster refused this driver")) from None
-        raise BadInput(
-            f"--address {address or 'auto'}: cannot connect to a Ray cluster ({e}); "
-            "start one with `ray start --head` or omit --address to run locally"
-        ) from None
-
-
-def _auth_message(address: str | None, what: str) -> str:
-    from serving.app.cluster import AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, token_source
-
-    mode = os.environ.get(AUTH_MODE_ENV)
-    if mode is None or mode.lower() != "token":
-        have = f"{AUTH_MODE_ENV} is {mode or 'unset'}, so this driver sent no token"
-    else:
-        have = f"the token came from {token_source() or 'nowhere (no token found)'}"
-    return (
-        f"--address {address or 'auto'}: token authentication failed ({what}; {have}). "
-        f"Set {AUTH_MODE_ENV}=token and give that cluster's token in ${TOKEN_ENV}, "
-        f"in a file named by ${TOKEN_PATH_ENV}, or in ~/.ray/auth_token"
-    )
-
-
-def _host(address: str) -> str:
-    hostport = address.split("://", 1)[-1].split("/", 1)[0]
-    return hostport.rpartition(":")[0].strip("[]")
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast on a Ray address nobody listens on (ray.init would retry for minutes)."""
-    hostport = address.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise BadInput(f"--address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=3.0).close()
-    except OSError as e:
-        raise BadInput(
-            f"--address {address}: nothing answers there ({e.strerror or e}); "
-            "start a cluster with `ray start --head` or omit --address to run locally"
-        ) from None
-
-
-def serve_details(dashboard_url: str | None) -> dict[str, Any]:
-    """Serve's instance details (``ServeInstanceDetails`` as a dict): through the public
-    REST API at ``dashboard_url``, or, with None, in process from the embedded cluster
-    slotune started (no dashboard there: serving/app/ray_private.py)."""
-    if dashboard_url is not None:
-        from controller.backends.actuator import ActuatorError, ActuatorUnavailable
-        from controller.backends.serve_rest import ServeRest
-        from serving.app.cluster import read_token
-
-        rest = ServeRest(dashboard_url, token=read_token())
-        try:
-            return rest.details()
-        except (ActuatorError, ActuatorUnavailable) as e:
-            raise BadInput(f"--dashboard-url {dashboard_url}: {e}") from None
-        finally:
-            rest.close()
-    from serving.app.ray_private import serve_client
-    from serving.app.ray_private import serve_details as private_details
-
-    client = serve_client(start=False)
-    if client is None:
-        raise BadInput("no Ray Serve instance runs on this cluster: nothing to tune")
-    return private_details(client)
-
-
-def serve_url(app: str, details: dict[str, Any] | None = None) -> str:
-    """http://host:port/prefix of ``app`` from Serve's details (read from the embedded
-    cluster when not given)."""
-    details = serve_details(None) if details is None else details
-    apps = details.get("applications", {})
-    if app not in apps:
-        raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
-    http = details.get("http_options") or {}
-    host = http.get("host") or "127.0.0.1"
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    prefix = apps[app].get("route_prefix") or "/"
-    return f"http://{host}:{http.get('port', 8000)}{prefix.rstrip('/')}"
-
-
-def check_deployment(app: str, deployment: str | None) -> None:
-    """BadInput unless ``app`` runs (and has ``deployment``, when named), through Serve's
-    public ``serve.status()``. Any deployment will do: the actuator changes its knobs."""
-    from ray import serve
-
-    apps = serve.status().applications
-    if app not in apps:
-        raise BadInput(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
-    deps = apps[app].deployments
-    if deployment is not None and deployment not in deps:
-        raise BadInput(f"--deployment {deployment}: not in app {app!r} (it has {sorted(deps)})")
-
-
-def ray_metrics_url() -> str:
-    """The metrics export endpoint of the (single) node of the attached cluster."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) != 1:
-        raise BadInput(
-            f"the cluster has {len(nodes)} nodes: give --metrics-url of the replica's node "
-            "or --prometheus-url of a Prometheus that scrapes them all"
-        )
-    n = nodes[0]
-    return f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-
-
 def make_reader(
-    *, slo: Slo, app: str, metrics_url: str | None, prometheus_url: str | None, prefix: str
+    *,
+    slo: Slo,
+    app: str,
+    metrics_url: str | None,
+    prometheus_url: str | None,
+    prefix: str | None,
+    profile: str | None,
+    under_ray: bool,
+    known: str | None = None,
 ) -> tuple[WindowReader, str]:
-    from controller.windows import PromQLWindow, ScrapeWindow
+    """The window reader of the metrics ``profile`` (``metrics.profiles``) at ``metrics_url``
+    or ``prometheus_url`` (under Ray, the node's export port when neither is given).
+
+    Without ``profile`` (or ``prefix``) a first scrape of the endpoint detects them; if it
+    holds no known family the profile is ``known`` (what the deployment is known to export,
+    e.g. slotune's own app), else ``client``: the load generator's own records. ``prefix``
+    defaults to ``ray_`` under Ray and to none elsewhere."""
+    from controller.windows import ClientWindow, PromQLWindow, ScrapeWindow
+    from metrics.profiles import profile as profile_named
     from metrics.sources import PromQLSource, ScrapeSource
 
-    sel = {"application": app}
+    client = (ClientWindow(slo=slo), "the load generator's own records (client profile)")
+    if profile == "client":
+        return client
+    if prometheus_url is None and metrics_url is None:
+        if not under_ray:
+            return client
+        metrics_url = ray_metrics_url()
+    default_prefix = "ray_" if under_ray else ""
+    if prometheus_url is None and (profile is None or prefix is None):
+        found = _detect(metrics_url)
+        if found is not None and profile in (None, found[0]):
+            profile, prefix = found[0], prefix if prefix is not None else found[1]
+    profile = profile or known
+    if profile is None:
+        log.warning("no known metrics family at %s: reading the client's records", metrics_url)
+        return client
+    prefix = default_prefix if prefix is None else prefix
+    prof = profile_named(profile)
+    # Ray labels the metrics of a Serve replica with its application; others have no label
+    # that names it (vLLM and SGLang label their model).
+    sel = {"application": app} if profile == "slotune" and prefix == "ray_" else {}
     try:
         if prometheus_url:
-            src = PromQLSource(prometheus_url, slo=slo, prefix=prefix, selector=sel)
-            return PromQLWindow(src), f"Prometheus {prometheus_url}"
-        url = metrics_url or ray_metrics_url()
-        src = ScrapeSource(url, slo=slo, prefix=prefix, selector=sel)
-        return ScrapeWindow(src), f"scrape {url}"
+            src = PromQLSource(prometheus_url, slo=slo, prefix=prefix, selector=sel, profile=prof)
+            return PromQLWindow(src), f"Prometheus {prometheus_url} ({profile} profile)"
+        assert metrics_url is not None
+        scrape = ScrapeSource(metrics_url, slo=slo, prefix=prefix, selector=sel, profile=prof)
+        return ScrapeWindow(scrape), f"scrape {metrics_url} ({profile} profile)"
     except ValueError as e:
         raise BadInput(f"metrics source: {e}") from None
 
 
-def embedded_threads() -> int:
-    """torch threads of the built-in replica: the cores less one for the load and Ray, 1-4."""
-    return max(1, min(4, (os.cpu_count() or 2) - 1))
+def _detect(url: str) -> tuple[str, str] | None:
+    """(profile, prefix) of what ``url`` exports now; None if unknown or unreachable."""
+    import httpx
 
+    from metrics.errors import MalformedExposition
+    from metrics.profiles import detect_snapshot
+    from metrics.snapshot import parse_exposition
 
-def replica_threads(app: str, details: dict[str, Any] | None = None) -> tuple[int, str]:
-    """The torch thread count the replicas of ``app`` run with (its ``torch_threads``
-    app argument, as Serve's details show the deployed config), and where that came from."""
-    from serving.app.config import ServerArgs
-
-    default = ServerArgs(model="tiny").torch_threads
     try:
-        details = serve_details(None) if details is None else details
-        cfg = (details.get("applications", {}).get(app) or {}).get("deployed_app_config") or {}
-        args = cfg.get("args") or {}
-        if "torch_threads" in args:
-            return int(args["torch_threads"]), f"app {app!r} args"
-    except Exception as e:  # an informational read: fall back to the app's default
-        log.warning("could not read the torch_threads of app %r: %s", app, e)
-    return default, f"serving.app.server default (app {app!r} does not say)"
+        text = httpx.get(url, timeout=5.0).text
+        return detect_snapshot(parse_exposition(text, time_s=0.0))
+    except (httpx.HTTPError, MalformedExposition) as e:
+        log.warning("could not detect the metrics profile at %s: %s", url, e)
+        return None
 
 
 class SetupFailed(RuntimeError):
@@ -250,8 +139,8 @@ class Prepared:
     """What :func:`prepare` leaves ready for the first trial."""
 
     setup: Setup
-    hardware: HardwareSpec  # calibrated at the replica's torch threads
-    hardware_note: str  # where the calibration came from, for the report
+    hardware: HardwareSpec | None  # what the roofline assumed (None: unknown, unseeded)
+    hardware_note: str  # where its figures came from, for the report
     plan: SearchPlan
 
 
@@ -263,29 +152,36 @@ def prepare(
     url: str | None,
     metrics_url: str | None,
     prometheus_url: str | None,
-    prefix: str,
+    prefix: str | None,
     slo: Slo,
     model: str,
     max_slots: int,
     price: float | None,
     shape: RequestShape,
     quiet: bool,
+    profile: str | None = None,
     actuator: str | None = None,
     batch_knob: str | None = None,
     dashboard_url: str | None = None,
+    roofline_model: ModelSpec | None = None,
+    hardware: str | None = None,
+    tp: int = 1,
+    max_batch: int | None = None,
 ) -> Prepared:
-    """Start or attach, deploy if needed, calibrate at the replica's thread count, and plan
+    """Start or attach, deploy if needed, pick the actuator and the metrics reader, and plan
     the search.
 
-    No ``address`` and no ``app_name``: start a local Ray and deploy the built-in ``model``
-    with ``max_slots`` KV slots (the ``embedded`` actuator); ``address`` alone: attach and
-    deploy there; ``app_name``: attach to that existing application (``deployment`` within
-    it). Attached, knobs go through ``actuator`` (default ``serve``: Serve's REST API at
-    ``dashboard_url``, else the attached cluster's dashboard; ``batch_knob`` names the
-    batch limit's config path). ``actuator='none'``: no Ray at all, the server at ``url``
-    is measured as it is. ``url`` overrides the app's HTTP base, ``metrics_url`` or
-    ``prometheus_url`` the metrics source (names carrying ``prefix``); ``shape`` sets the
-    context the roofline predicts at."""
+    No ``address``, ``app_name`` or ``actuator``: start a local Ray and deploy the built-in
+    ``model`` with ``max_slots`` KV slots (the ``embedded`` actuator; the roofline of that
+    model on this device, calibrated at the replica's threads); ``address`` alone: attach
+    and deploy it there. ``app_name``: an existing application (``deployment`` within it),
+    its knobs through ``actuator`` (default ``serve``: Serve's REST API at
+    ``dashboard_url``, else the attached cluster's; ``batch_knob`` names the batch limit's
+    config path). ``actuator='none'``: no Ray at all, the server at ``url`` is measured as
+    it is. The metrics: ``profile`` at ``metrics_url`` or ``prometheus_url`` (detected when
+    not given; see :func:`make_reader`). An existing deployment's roofline is
+    ``roofline_model`` on ``hardware`` x ``tp`` (controller.tune_plan.plan_for); without
+    them the search is unseeded over batches 1..``max_batch`` and the plan says why."""
     from controller.backends.registry import ACTUATORS
 
     if actuator is not None and actuator not in ACTUATORS:
@@ -299,16 +195,16 @@ def prepare(
             metrics_url=metrics_url,
             prometheus_url=prometheus_url,
             prefix=prefix,
+            profile=profile,
             slo=slo,
-            model=model,
-            max_slots=max_slots,
             price=price,
             context=context,
             device=device,
             quiet=quiet,
+            roof=(roofline_model, hardware, tp, max_batch),
         )
     from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import deploy_app
+    from serving.app.deploy import IMPORT_PATH, deploy_app
     from serving.app.replicas import DeployError
 
     app = app_name
@@ -329,22 +225,39 @@ def prepare(
     name = "embedded" if started else (actuator or "serve")
     rest_url = None
     if name in ("serve", "serve-llm"):
-        rest_url = dashboard_url or _cluster_dashboard_url()
+        rest_url = dashboard_url or cluster_dashboard_url()
+    known = "slotune" if app is None else None
     if app is None:
         threads, threads_from = embedded_threads(), "the built-in deployment"
+        hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
+        hw_note += f"; replica threads from {threads_from}"
+        searched = plan_search(
+            model=model, hardware=hw, slo=slo, price=price, max_slots=max_slots, context=context
+        )
     else:
         check_deployment(app, deployment)
-        threads, threads_from = replica_threads(app, serve_details(rest_url))
-    hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
-    hw_note += f"; replica threads from {threads_from}"
-    searched = plan_search(
-        model=model,
-        hardware=hw,
-        slo=slo,
-        price=price,
-        max_slots=max_slots,
-        context=context,
-    )
+        details = serve_details(rest_url)
+        cfg = (details.get("applications", {}).get(app) or {}).get("deployed_app_config") or {}
+        if cfg.get("import_path") == IMPORT_PATH:
+            known = "slotune"  # slotune's own app: its metrics are known before any traffic
+            roofline_model, max_batch = _own_app_bounds(cfg, roofline_model, max_batch)
+        threads, threads_from = replica_threads(app, details)
+        hw, searched = _plan_roofline(
+            roofline_model,
+            hardware,
+            tp,
+            max_batch,
+            slo=slo,
+            price=price,
+            context=context,
+            replicas_here=started,
+            device=device,
+            threads=threads,
+            quiet=quiet,
+        )
+        hw_note = (
+            searched.reason if hw is None else f"{searched.reason}; threads from {threads_from}"
+        )
     if app is None:
         app = "slotune"
         first = searched.seeds[0]
@@ -373,6 +286,9 @@ def prepare(
         metrics_url=metrics_url,
         prometheus_url=prometheus_url,
         prefix=prefix,
+        profile=profile,
+        under_ray=True,
+        known=known,
     )
     setup = Setup(
         app=app,
@@ -393,14 +309,61 @@ def prepare(
     return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
 
 
-def _cluster_dashboard_url() -> str:
-    from controller.backends.actuator import ActuatorError
-    from controller.backends.serve_rest import dashboard_url_of_cluster
+def _own_app_bounds(
+    cfg: dict[str, Any], model: ModelSpec | None, max_batch: int | None
+) -> tuple[ModelSpec | None, int]:
+    """For a deployment of slotune's own app: the model its args name (known, not assumed)
+    unless the user gave one, and a batch bound within its KV slots (a larger batch limit
+    would be refused by every replica's reconfigure)."""
+    from controller.tune_plan import DEFAULT_MAX_BATCH
+    from search.roofline.models import resolve_model
+    from serving.app.config import ServerArgs
 
     try:
-        return dashboard_url_of_cluster()
-    except ActuatorError as e:
-        raise BadInput(f"{e} (or choose --actuator embedded)") from None
+        args = ServerArgs.from_args(cfg.get("args"))
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"app args of slotune's own app: {e}") from None
+    if model is None and args.model in MODELS:
+        model = resolve_model(MODELS[args.model])
+    return model, min(max_batch or DEFAULT_MAX_BATCH, args.max_slots)
+
+
+def _plan_roofline(
+    model: ModelSpec | None,
+    hardware: str | None,
+    tp: int,
+    max_batch: int | None,
+    *,
+    slo: Slo,
+    price: float | None,
+    context: int,
+    replicas_here: bool,
+    device: str,
+    threads: int,
+    quiet: bool,
+) -> tuple[HardwareSpec | None, SearchPlan]:
+    """An existing deployment's plan: the roofline of ``model`` on ``hardware`` x ``tp``
+    when both are known (never silently the built-in preset), else unseeded with why."""
+    from controller.tune_plan import DEFAULT_MAX_BATCH, NO_MODEL, plan_for, roofline_hardware
+
+    hw, note = None, NO_MODEL
+    if model is not None:
+        hw, note = roofline_hardware(
+            hardware, replicas_here=replicas_here, device=device, threads=threads, quiet=quiet
+        )
+    try:
+        return hw, plan_for(
+            model=model,
+            hardware=hw,
+            tp=tp,
+            slo=slo,
+            price=price,
+            max_batch=max_batch or DEFAULT_MAX_BATCH,
+            context=context,
+            reason="" if hw is not None else note,
+        )
+    except ValueError as e:
+        raise BadInput(f"--model-config/--hardware/--tp: {e}") from None
 
 
 def _make_actuator(name: str, **kw: Any) -> Actuator:
@@ -419,39 +382,45 @@ def _prepare_unmanaged(
     url: str | None,
     metrics_url: str | None,
     prometheus_url: str | None,
-    prefix: str,
+    prefix: str | None,
+    profile: str | None,
     slo: Slo,
-    model: str,
-    max_slots: int,
     price: float | None,
     context: int,
     device: str,
     quiet: bool,
+    roof: tuple[ModelSpec | None, str | None, int, int | None],
 ) -> Prepared:
     """``--actuator none``: a server slotune measures but cannot configure. No Ray: the
-    server is ``url``, its metrics ``metrics_url``/``prometheus_url``, else the load
-    generator's own records."""
+    server is ``url``, its metrics ``metrics_url``/``prometheus_url`` (the profile detected
+    when not given), else the load generator's own records."""
     from controller.backends.none import NoActuator
-    from controller.windows import ClientWindow
 
     if url is None:
         raise BadInput("--actuator none: give --url, the server's HTTP base")
     app = app_name or "server"
-    if metrics_url or prometheus_url:
-        reader, desc = make_reader(
-            slo=slo,
-            app=app,
-            metrics_url=metrics_url,
-            prometheus_url=prometheus_url,
-            prefix=prefix,
-        )
-    else:
-        reader, desc = ClientWindow(slo=slo), "the load generator's own records"
-    threads = embedded_threads()
-    hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
-    hw_note += "; the server's threads are unknown (assumed as the built-in's)"
-    searched = plan_search(
-        model=model, hardware=hw, slo=slo, price=price, max_slots=max_slots, context=context
+    reader, desc = make_reader(
+        slo=slo,
+        app=app,
+        metrics_url=metrics_url,
+        prometheus_url=prometheus_url,
+        prefix=prefix,
+        profile=profile,
+        under_ray=False,
+    )
+    model, hardware, tp, max_batch = roof
+    hw, searched = _plan_roofline(
+        model,
+        hardware,
+        tp,
+        max_batch,
+        slo=slo,
+        price=price,
+        context=context,
+        replicas_here=False,
+        device=device,
+        threads=embedded_threads(),
+        quiet=quiet,
     )
     setup = Setup(
         app=app,
@@ -462,14 +431,4 @@ def _prepare_unmanaged(
         device=device,
         actuator=NoActuator(),
     )
-    return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
-
-
-def shutdown_local() -> None:
-    import ray
-    from ray import serve
-
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+    return Prepared(setup=setup, hardware=hw, hardware_note=searched.reason, plan=searched)

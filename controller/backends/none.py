@@ -35,6 +35,7 @@ class NoActuator:
     def describe(self) -> dict[str, Any]:
         return {
             "actuator": self.name,
+            "applied": False,
             "note": (
                 "knobs are recommendations, not applied: the server's configuration is not "
                 "slotune's to change; the admission limit was the load's concurrency"

@@ -56,6 +56,11 @@ def pick_deployment(details: dict[str, Any], app: str, deployment: str | None) -
     return names[0]
 
 
+# The user_config key slotune's own app reads its admission limit from
+# (serving.app.config.LiveConfig.max_ongoing_requests); kept equal to the deployment's.
+ADMISSION_KEY = "max_ongoing_requests"
+
+
 def with_knobs(
     app_cfg: dict[str, Any],
     *,
@@ -66,7 +71,9 @@ def with_knobs(
     effective_user_config: Any = None,
 ) -> dict[str, Any]:
     """A copy of one app's declarative config with the batch value at ``batch_path`` and
-    the deployment's ``max_ongoing_requests`` set; nothing else changes.
+    the deployment's ``max_ongoing_requests`` set (and, where the deployment's
+    ``user_config`` has a ``max_ongoing_requests`` key, as slotune's own app does, that key
+    too); nothing else changes.
 
     The deployment's override entry is added if the config has none. A ``user_config``
     override replaces the code's whole ``user_config``, so when the entry has none it
@@ -86,6 +93,11 @@ def with_knobs(
         entry["user_config"] = copy.deepcopy(effective_user_config) if len(parts) > 1 else None
     i = deps.index(entry)
     deps[i] = set_path(entry, parts, batch)
+    user_config = deps[i].get("user_config")
+    if isinstance(user_config, dict) and ADMISSION_KEY in user_config:
+        # slotune's own app admits in the replica, up to this user_config key: it follows
+        # the deployment's limit, or the replica would keep refusing above the old one.
+        deps[i] = set_path(deps[i], ("user_config", ADMISSION_KEY), max_ongoing_requests)
     return new
 
 

@@ -4,9 +4,12 @@
 ``small`` model on the local device (CUDA if there is one, else CPU), calibrates
 the device at the replica's torch thread count (cached), and tunes. ``--address``
 attaches to a running Ray cluster (and deploys the built-in model there); ``--app``
-attaches to an existing deployment of ``serving.app.server:app`` instead. Exit codes: 0 a
-feasible point was found, 3 none meets the SLO, 2 bad input, 1 the run was stopped by
-a fault, 130 Ctrl-C; in every case the report of what was measured is written.
+tunes an existing Ray Serve application through an actuator (``serve``: any deployment,
+through Serve's REST API; ``serve-llm``: a Ray Serve LLM app); ``--actuator none`` measures
+a server slotune cannot configure (a standalone vLLM or SGLang at ``--url``) and only
+recommends. Exit codes: 0 a feasible point was found, 3 none meets the SLO, 2 bad input, 1
+the run was stopped by a fault, 130 Ctrl-C; in every case the report of what was measured
+is written.
 
 Setting up lives in :mod:`controller.tune_setup`, the calibration and the roofline's
 plan in :mod:`controller.tune_plan`, the loop in :mod:`controller.tune`.
@@ -20,29 +23,37 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
-from controller.cli import flags
+from controller.attach import shutdown_local
+from controller.cli import flags, tune_backend, tune_load
 from controller.cli.flags import slo_from_ms
-from controller.cli.paths import file_error, input_file, output_dir, study_storage
+from controller.cli.paths import output_dir, study_storage
 from controller.errors import BadInput, NoFeasiblePoint
-from controller.report.cost import catalog_price, cost_sentence
-from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS
-from controller.tune_setup import SetupFailed, local_device, prepare, shutdown_local
+from controller.report.cost import cost_sentence
+from controller.tune_plan import DEFAULT_MAX_BATCH, DEFAULT_MAX_SLOTS, MODELS
+from controller.tune_setup import SetupFailed, prepare
 from metrics.observation import DEFAULT_SLO
 
 if TYPE_CHECKING:
-    from controller.load.spec import TraceItem
-    from controller.targets import RequestShape, WindowPlan
     from controller.tune import TuneOutcome
-    from controller.windows import WindowReader
-    from serving.sim.workload import LengthDist
 
 log = logging.getLogger(__name__)
+
+
+# The --help panels: the flags grouped by what they choose.
+WHERE = "Where: the deployment to tune"
+SERVE = "Backend serve / serve-llm: a Ray Serve app (--app)"
+METRICS = "Metrics: how TTFT, TPOT and goodput are read"
+ROOF = "Roofline seed: the model and device the deployment runs"
+BUILTIN = "Built-in model (no --app)"
+SLO = "SLO and cost"
+LOAD = "Load: the requests offered"
+SEARCH = "Search and windows"
+OUT = "Output"
 
 
 def _positive(flag: str, v: float) -> None:
@@ -50,111 +61,183 @@ def _positive(flag: str, v: float) -> None:
         raise BadInput(f"{flag} {v!r}: must be a positive number")
 
 
-def _lengths(flag: str, spec: str) -> LengthDist:
-    from serving.sim.workload import LengthDist
-
-    try:
-        return LengthDist.parse(spec)
-    except ValueError as e:
-        raise BadInput(f"{flag} {e}") from None
-
-
-def _trace(path: Path) -> tuple[TraceItem, ...]:
-    from controller.load.spec import load_trace
-
-    input_file("--trace", path)
-    try:
-        return load_trace(path)
-    except OSError as e:
-        raise file_error("--trace", path, e, "read") from None
-    except ValueError as e:  # load_trace's message starts "trace PATH line N: ..."
-        msg = str(e)
-        msg = f"--{msg}" if msg.startswith("trace ") else f"--trace {path}: {msg}"
-        raise BadInput(msg) from None
-
-
-def _fits_context(
-    shape: RequestShape, model: str, prompt_spec: str, output_spec: str, trace: Path | None
-) -> None:
-    """Every request the load can send fits one KV slot of the built-in model (prompt +
-    output <= its context); else the server would answer each with a 400, and a whole
-    budget would be spent measuring them."""
-    from serving.engine.engine import slot_context
-    from serving.model.config import ModelConfig
-
-    ctx = slot_context(ModelConfig.from_name(model))
-    holds = f"the built-in {model!r} model holds {ctx} tokens a request (prompt + output)"
-    if shape.trace is not None:
-        for i, item in enumerate(shape.trace, start=1):
-            n = item.prompt_tokens
-            if isinstance(item.prompt, str):
-                n = len(item.prompt.encode("utf-8"))  # the byte-level tokenizer's count
-            elif item.prompt is not None:
-                raise BadInput(f"--trace {trace}: request {i}: prompt must be a string")
-            elif not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
-                raise BadInput(
-                    f"--trace {trace}: request {i}: prompt_tokens={n!r}: must be an integer >= 1"
-                )
-            if n + item.max_tokens > ctx:
-                raise BadInput(
-                    f"--trace {trace}: request {i} has {n} prompt + {item.max_tokens} output "
-                    f"tokens, but {holds}"
-                )
-        return
-    p, o = shape.prompt_tokens.max_tokens, shape.output_tokens.max_tokens
-    if p + o > ctx:
-        cut = [
-            f"{spec} draws up to {d.hi}"
-            for spec, d in ((prompt_spec, shape.prompt_tokens), (output_spec, shape.output_tokens))
-            if d.kind == "lognormal"
-        ]
-        raise BadInput(
-            f"--prompt-tokens {prompt_spec} --output-tokens {output_spec}: a request can "
-            f"reach {p} + {o} = {p + o} tokens, but {holds}; give smaller lengths"
-            + (f" ({'; '.join(cut)})" if cut else "")
-        )
+def _choice(flag: str, value: str | None, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        raise BadInput(f"{flag} {value}: choose one of {', '.join(allowed)}")
 
 
 def tune(
-    address: str = typer.Option(None, "--address", help="Attach to this Ray cluster."),
-    app_name: str = typer.Option(None, "--app", help="Tune this existing Serve application."),
-    deployment: str = typer.Option(None, "--deployment", help="Deployment within --app."),
-    url: str = typer.Option(None, "--url", help="HTTP base of the app (default: from Serve)."),
-    metrics_url: str = typer.Option(None, "--metrics-url", help="Prometheus text endpoint."),
-    prometheus_url: str = typer.Option(None, "--prometheus-url", help="Prometheus server."),
-    metrics_prefix: str = typer.Option("ray_", "--metrics-prefix", help="Exported name prefix."),
+    address: str = typer.Option(
+        None, "--address", help="Attach to this Ray cluster.", rich_help_panel=WHERE
+    ),
+    app_name: str = typer.Option(
+        None, "--app", help="Tune this existing Serve application.", rich_help_panel=WHERE
+    ),
+    actuator: str = typer.Option(
+        None,
+        "--actuator",
+        help="How knobs reach it: serve (default with --app: Serve's REST API), serve-llm "
+        "(a Ray Serve LLM app: batch limit by restart), none (not configurable: measure "
+        "and recommend; needs --url).",
+        rich_help_panel=WHERE,
+    ),
+    url: str = typer.Option(
+        None, "--url", help="HTTP base of the server (default: from Serve).", rich_help_panel=WHERE
+    ),
+    deployment: str = typer.Option(
+        None,
+        "--deployment",
+        help="Deployment within --app (default: its only one; serve-llm: its LLMServer).",
+        rich_help_panel=SERVE,
+    ),
+    batch_knob: str = typer.Option(
+        None,
+        "--batch-knob",
+        help="Config path of the batch limit (serve: user_config.max_batch_size; serve-llm: "
+        "args.llm_configs[0].engine_kwargs.max_num_seqs).",
+        rich_help_panel=SERVE,
+    ),
+    dashboard_url: str = typer.Option(
+        None,
+        "--dashboard-url",
+        help="Ray dashboard (Serve's REST API; default: the attached cluster's).",
+        rich_help_panel=SERVE,
+    ),
+    metrics_profile: str = typer.Option(
+        None,
+        "--metrics-profile",
+        help="slotune | vllm | sglang | client (the load generator's own records). "
+        "Default: detected from the metrics endpoint.",
+        rich_help_panel=METRICS,
+    ),
+    metrics_url: str = typer.Option(
+        None, "--metrics-url", help="Prometheus text endpoint.", rich_help_panel=METRICS
+    ),
+    prometheus_url: str = typer.Option(
+        None, "--prometheus-url", help="Prometheus server.", rich_help_panel=METRICS
+    ),
+    metrics_prefix: str = typer.Option(
+        None,
+        "--metrics-prefix",
+        help="Prefix of the exported names (default: detected; ray_ under Ray).",
+        rich_help_panel=METRICS,
+    ),
+    model_config: str = typer.Option(
+        None,
+        "--model-config",
+        help="The served model for the roofline: a Hugging Face config.json (or its folder) "
+        "or a catalogue name. Without it an --app is searched unseeded.",
+        rich_help_panel=ROOF,
+    ),
+    hardware: str = typer.Option(
+        None,
+        "--hardware",
+        help="The device: a catalogue name, a calibration JSON, or local (calibrate this "
+        "machine; the default when slotune starts the deployment here).",
+        rich_help_panel=ROOF,
+    ),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel devices.", rich_help_panel=ROOF),
+    max_batch: int = typer.Option(
+        None,
+        "--max-batch",
+        help=f"Largest batch searched (default: what memory holds; {DEFAULT_MAX_BATCH} unseeded).",
+        rich_help_panel=ROOF,
+    ),
+    model: str = typer.Option(
+        "small", "--model", help="Built-in model: tiny | small.", rich_help_panel=BUILTIN
+    ),
+    max_slots: int = typer.Option(
+        None, "--max-slots", help="KV slots of the built-in app.", rich_help_panel=BUILTIN
+    ),
     slo_ttft_ms: float = typer.Option(
-        DEFAULT_SLO.ttft_p99_s * 1e3, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."
+        DEFAULT_SLO.ttft_p99_s * 1e3,
+        "--slo-ttft-ms",
+        help="p99 TTFT SLO (ms).",
+        rich_help_panel=SLO,
     ),
     slo_tpot_ms: float = typer.Option(
-        DEFAULT_SLO.tpot_p99_s * 1e3, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."
+        DEFAULT_SLO.tpot_p99_s * 1e3,
+        "--slo-tpot-ms",
+        help="p99 TPOT SLO (ms).",
+        rich_help_panel=SLO,
     ),
-    price_per_hour: float = typer.Option(None, "--price-per-hour", help="USD per device-hour."),
-    max_trials: int = typer.Option(20, "--max-trials", help="At most this many trials."),
-    time_budget: float = typer.Option(240.0, "--time-budget", help="Seconds for the trials."),
-    warmup_s: float = typer.Option(2.0, "--warmup", help="Warm-up seconds per trial."),
-    window_s: float = typer.Option(5.0, "--window", help="Least measurement seconds."),
-    max_window_s: float = typer.Option(30.0, "--max-window", help="Most measurement seconds."),
-    min_requests: int = typer.Option(300, "--min-requests", help="Requests a window aims at."),
-    prompt_tokens: str = typer.Option("16", "--prompt-tokens", help="N, uniform:A-B, ..."),
-    output_tokens: str = typer.Option("8", "--output-tokens", help="N, uniform:A-B, ..."),
-    trace: Path = typer.Option(None, "--trace", help="JSONL trace of requests to replay."),
-    served_model: str = typer.Option(None, "--served-model", help="Request 'model' field."),
-    model: str = typer.Option("small", "--model", help="Built-in model: tiny | small."),
-    max_slots: int = typer.Option(None, "--max-slots", help="KV slots of the built-in app."),
-    out: Path = typer.Option(None, "--out", help="Default ./slotune-out/<timestamp>/."),
+    price_per_hour: float = typer.Option(
+        None, "--price-per-hour", help="USD per device-hour.", rich_help_panel=SLO
+    ),
+    prompt_tokens: str = typer.Option(
+        "16", "--prompt-tokens", help="N, uniform:A-B, ...", rich_help_panel=LOAD
+    ),
+    output_tokens: str = typer.Option(
+        "8", "--output-tokens", help="N, uniform:A-B, ...", rich_help_panel=LOAD
+    ),
+    trace: Path = typer.Option(
+        None, "--trace", help="JSONL trace of requests to replay.", rich_help_panel=LOAD
+    ),
+    served_model: str = typer.Option(
+        None, "--served-model", help="Request 'model' field.", rich_help_panel=LOAD
+    ),
+    tokenizer: Path = typer.Option(
+        None,
+        "--tokenizer",
+        help="The served model's tokenizer.json: prompts sized in its tokens.",
+        rich_help_panel=LOAD,
+    ),
+    prompt_format: str = typer.Option(
+        "text", "--prompt-format", help="text | token_ids.", rich_help_panel=LOAD
+    ),
+    endpoint: str = typer.Option(
+        "completions", "--endpoint", help="completions | chat.", rich_help_panel=LOAD
+    ),
+    ignore_eos: bool = typer.Option(
+        None,
+        "--ignore-eos/--no-ignore-eos",
+        help="Ask for exactly the output lengths (default: on for slotune, vLLM, SGLang).",
+        rich_help_panel=LOAD,
+    ),
+    max_trials: int = typer.Option(
+        20, "--max-trials", help="At most this many trials.", rich_help_panel=SEARCH
+    ),
+    time_budget: float = typer.Option(
+        240.0, "--time-budget", help="Seconds for the trials.", rich_help_panel=SEARCH
+    ),
+    warmup_s: float = typer.Option(
+        2.0, "--warmup", help="Warm-up seconds per trial.", rich_help_panel=SEARCH
+    ),
+    window_s: float = typer.Option(
+        5.0, "--window", help="Least measurement seconds.", rich_help_panel=SEARCH
+    ),
+    max_window_s: float = typer.Option(
+        30.0, "--max-window", help="Most measurement seconds.", rich_help_panel=SEARCH
+    ),
+    min_requests: int = typer.Option(
+        300, "--min-requests", help="Requests a window aims at.", rich_help_panel=SEARCH
+    ),
+    seed: int = typer.Option(0, "--seed", help="Sampler and load seed.", rich_help_panel=SEARCH),
+    out: Path = typer.Option(
+        None, "--out", help="Default ./slotune-out/<timestamp>/.", rich_help_panel=OUT
+    ),
     study: str = typer.Option(
-        None, "--study", help="Optuna study storage: a journal file or a URL (default OUT/study)."
+        None,
+        "--study",
+        help="Optuna study storage: a journal file or a URL (default OUT/study).",
+        rich_help_panel=OUT,
     ),
-    study_name: str = typer.Option("slotune-tune", "--study-name", help="Study name."),
-    seed: int = typer.Option(0, "--seed", help="Sampler and load seed."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress display."),
+    study_name: str = typer.Option(
+        "slotune-tune", "--study-name", help="Study name.", rich_help_panel=OUT
+    ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No live progress display.", rich_help_panel=OUT
+    ),
 ) -> None:
     """Find the operating point of a live deployment and export the curve."""
+    from controller.backends.registry import ACTUATORS
+    from controller.load.spec import ENDPOINTS, PROMPT_FORMATS
     from controller.progress import Progress, RichProgress
     from controller.report.curve import CurveReport
     from controller.targets import RayServeTarget, RequestShape, WindowPlan
     from controller.tune import TuneLimits, run_tune
+    from controller.tune_plan import roofline_model
+    from metrics.profiles import PROFILE_NAMES
     from search.tuner import Tuner
 
     # Every value is checked here, before Ray starts or anything is measured.
@@ -163,23 +246,51 @@ def tune(
     flags.price("--price-per-hour", price_per_hour)
     if model not in MODELS:
         raise BadInput(f"--model {model}: choose one of {', '.join(MODELS)}")
+    _choice("--actuator", actuator, tuple(a for a in ACTUATORS if a != "embedded"))
+    _choice("--metrics-profile", metrics_profile, PROFILE_NAMES)
+    _choice("--endpoint", endpoint, ENDPOINTS)
+    _choice("--prompt-format", prompt_format, PROMPT_FORMATS)
     if metrics_url and prometheus_url:
         raise BadInput("--metrics-url and --prometheus-url: give one, not both")
     if deployment is not None and app_name is None:
         raise BadInput(f"--deployment {deployment}: names a deployment within --app; give --app")
+    if actuator in ("serve", "serve-llm") and app_name is None:
+        raise BadInput(f"--actuator {actuator}: tunes an existing application; give --app")
+    if actuator == "none":
+        if url is None:
+            raise BadInput("--actuator none: give --url, the server to measure")
+        for flag, value in (("--address", address), ("--batch-knob", batch_knob)):
+            if value is not None:
+                raise BadInput(f"{flag} {value}: --actuator none changes nothing on a cluster")
+    elif batch_knob is not None and app_name is None:
+        raise BadInput(f"--batch-knob {batch_knob}: names a config path of --app; give --app")
     for flag, value in (
         ("--url", url),
         ("--metrics-url", metrics_url),
         ("--prometheus-url", prometheus_url),
+        ("--dashboard-url", dashboard_url),
     ):
         flags.http_url(flag, value)
     flags.at_least("--max-slots", max_slots, 1)
     flags.at_least("--min-requests", min_requests, 0)
+    flags.at_least("--tp", tp, 1)
+    flags.at_least("--max-batch", max_batch, 1)
     flags.seed("--seed", seed)
     if not (math.isfinite(warmup_s) and warmup_s >= 0):
         raise BadInput(f"--warmup {warmup_s!r}: must be a number of seconds >= 0")
     _positive("--window", window_s)
     _positive("--max-window", max_window_s)
+    embedded = address is None and app_name is None and actuator is None
+    try:
+        roof_model = roofline_model(model_config, None)
+    except ValueError as e:
+        raise BadInput(f"--model-config {model_config}: {e}") from None
+    if embedded and (roof_model is not None or hardware is not None or tp != 1):
+        raise BadInput(
+            "--model-config, --hardware and --tp describe an --app's deployment; the "
+            "built-in model's roofline is known (give --app, or leave them out)"
+        )
+    tune_backend.check_hardware(hardware)
     try:
         limits = TuneLimits(max_trials=max_trials, time_budget_s=time_budget)
         plan = WindowPlan(
@@ -189,23 +300,27 @@ def tune(
             min_requests=min_requests,
         )
         shape = RequestShape(
-            prompt_tokens=_lengths("--prompt-tokens", prompt_tokens),
-            output_tokens=_lengths("--output-tokens", output_tokens),
-            trace=_trace(trace) if trace else None,
+            prompt_tokens=tune_load.lengths("--prompt-tokens", prompt_tokens),
+            output_tokens=tune_load.lengths("--output-tokens", output_tokens),
+            trace=tune_load.trace(trace) if trace else None,
             model=served_model,
             seed=seed,
+            endpoint=endpoint,
+            prompt_format=prompt_format,
+            tokenizer=tune_load.tokenizer(tokenizer),
+            ignore_eos=tune_backend.ignore_eos(ignore_eos, actuator, metrics_profile, embedded),
         )
     except ValueError as e:
         raise BadInput(str(e)) from None
-    if app_name is None:  # the built-in model: its context is known before it is deployed
-        _fits_context(shape, model, prompt_tokens, output_tokens, trace)
+    if embedded:  # the built-in model: its context is known before it is deployed
+        tune_load.fits_context(shape, model, prompt_tokens, output_tokens, trace)
     if study is not None:
         study_storage("--study", study, must_exist=False)
     out_dir = output_dir("--out", out or Path("slotune-out") / time.strftime("%Y%m%d-%H%M%S"))
     if study is None:
         study = study_storage("--out", str(out_dir / "study.journal"), must_exist=False)
     max_slots = max_slots or DEFAULT_MAX_SLOTS[model]
-    price_per_hour, price_source = _price(price_per_hour, embedded=address is None and not app_name)
+    price_per_hour, price_source = tune_backend.price(price_per_hour, embedded=embedded)
     started = time.monotonic()
     setup = None
     try:
@@ -218,44 +333,62 @@ def tune(
                 metrics_url=metrics_url,
                 prometheus_url=prometheus_url,
                 prefix=metrics_prefix,
+                profile=metrics_profile,
                 slo=slo,
                 model=model,
                 max_slots=max_slots,
                 price=price_per_hour,
                 shape=shape,
                 quiet=quiet,
+                actuator=actuator,
+                batch_knob=batch_knob,
+                dashboard_url=dashboard_url,
+                roofline_model=roof_model,
+                hardware=hardware,
+                tp=tp,
+                max_batch=max_batch,
             )
         setup, hw, searched = prepared.setup, prepared.hardware, prepared.plan
-        a = searched.analysis
+        if not quiet and not searched.seeded:
+            typer.echo(f"slotune: {searched.reason}", err=True)
+        costs = tune_backend.knob_costs(setup.actuator)
+        current = setup.actuator.current() if costs.batch == "restart" else None
         tuner = Tuner(
             space=searched.space,
             slo=slo,
             storage=study,
             study_name=study_name,
             seed_knobs=searched.seeds,
-            model_tpot_s=searched.roofline.step_time_s,
+            model_tpot_s=searched.model_tpot_s,
             seed=seed,
+            costs=costs,
+            applied_batch_cap=None if current is None else current.max_batch_size,
         )
-        plan = _fit_to_scrapes(plan, setup.reader, quiet=quiet)
+        plan = tune_backend.fit_to_scrapes(plan, setup.reader, quiet=quiet)
         target = RayServeTarget(
-            url=setup.url, app_name=setup.app, slo=slo, reader=setup.reader, plan=plan, shape=shape
+            url=setup.url,
+            slo=slo,
+            reader=setup.reader,
+            actuator=setup.actuator,
+            plan=plan,
+            shape=shape,
         )
+        a = searched.analysis
         base = CurveReport(
             slo=slo,
             trials=(),
             predicted=searched.predicted,
-            model=MODELS[model] if app_name is None else f"{app_name} ({MODELS[model]} assumed)",
-            hardware=hw.name,
-            hardware_detail={
-                "source": prepared.hardware_note,
-                "memory_bandwidth_gb_s": round(hw.mem_bandwidth / 1e9, 1),
-                "bf16_peak_tflops": round(hw.peak_flops.get("bf16", math.nan) / 1e12, 2),
-                "device": setup.device,
-            },
+            model=tune_backend.model_label(
+                searched, MODELS[model] if embedded else None, app_name or url
+            ),
+            hardware=hw.name if hw is not None else "unknown (give --hardware)",
+            hardware_detail=tune_backend.hardware_detail(hw, prepared.hardware_note, setup.device),
             usd_per_hour=price_per_hour,
-            knee_batch=a.knee_batch,
-            ridge_flops_per_byte=round(a.ridge_flops_per_byte, 1),
+            knee_batch=None if a is None else a.knee_batch,
+            ridge_flops_per_byte=None if a is None else round(a.ridge_flops_per_byte, 1),
             predicted_batch=searched.seed_batch,
+            seed_note=searched.reason,
+            backend={**setup.actuator.describe(), "metrics": setup.reader_desc},
             meta={
                 "command": "slotune " + " ".join(sys.argv[1:]),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -267,7 +400,9 @@ def tune(
                 "window": f"warm-up {plan.warmup_s:g} s, {plan.window_s:g}-{plan.max_window_s:g}"
                 f" s, aiming at {plan.min_requests} requests",
                 "load": f"closed loop at each trial's max_concurrency; prompt {prompt_tokens}, "
-                f"output {output_tokens} tokens",
+                f"output {output_tokens} tokens; {endpoint}, {prompt_format} prompts"
+                + (f" sized by {shape.tokenizer}" if shape.tokenizer else "")
+                + (", ignore_eos" if shape.ignore_eos else ""),
                 "price": price_source,
                 "setup_s": round(time.monotonic() - started, 1),
             },
@@ -280,44 +415,6 @@ def tune(
         if setup is not None and setup.started_ray:
             shutdown_local()
     _finish(outcome, out_dir, quiet)
-
-
-def _price(given: float | None, *, embedded: bool) -> tuple[float | None, str]:
-    """The device price and where it came from: the flag; else, for the built-in
-    deployment on a catalogued GPU, the catalog's indicative rate; else none."""
-    if given is not None:
-        return given, "--price-per-hour"
-    if embedded and local_device() == "cuda":
-        import torch
-
-        found = catalog_price(torch.cuda.get_device_name())
-        if found is not None:
-            return found
-    return None, "not given"
-
-
-def _fit_to_scrapes(plan: WindowPlan, reader: WindowReader, *, quiet: bool) -> WindowPlan:
-    """Through a Prometheus server, a window must span ``reader.min_scrapes`` scrapes (else
-    it is stale and judged by nobody): lengthen the least window to that, and wait for a
-    fresh sample up to three scrape intervals."""
-    from controller.windows import PromQLWindow
-
-    if not isinstance(reader, PromQLWindow):
-        return plan
-    interval = reader.scrape_interval_s()
-    if interval is None:
-        return plan
-    reader.fresh_timeout_s = max(reader.fresh_timeout_s, 3 * interval)
-    need = reader.min_scrapes * interval + reader.report_lag_s
-    if plan.window_s >= need:
-        return plan
-    if not quiet:
-        typer.echo(
-            f"slotune: Prometheus scrapes every {interval:g} s: windows of at least {need:g} s "
-            f"(--window {plan.window_s:g} was too short to judge)",
-            err=True,
-        )
-    return replace(plan, window_s=need, max_window_s=max(plan.max_window_s, need))
 
 
 @contextmanager

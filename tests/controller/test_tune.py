@@ -596,7 +596,7 @@ def test_cli_export_with_a_price_adds_the_cost_and_says_where_it_came_from(
 
 
 def test_windows_are_lengthened_to_span_enough_scrapes(capsys) -> None:
-    from controller.cli.tune import _fit_to_scrapes
+    from controller.cli.tune_backend import fit_to_scrapes
     from controller.targets import WindowPlan
     from controller.windows import PromQLWindow, ScrapeWindow
 
@@ -606,13 +606,13 @@ def test_windows_are_lengthened_to_span_enough_scrapes(capsys) -> None:
 
     plan = WindowPlan(warmup_s=1.0, window_s=5.0, max_window_s=10.0)
     reader = Every5s(None, report_lag_s=1.0, min_scrapes=3, fresh_timeout_s=10.0)
-    fitted = _fit_to_scrapes(plan, reader, quiet=False)
+    fitted = fit_to_scrapes(plan, reader, quiet=False)
     assert fitted.window_s == 16.0 and fitted.max_window_s == 16.0
     assert reader.fresh_timeout_s == 15.0
     assert "every 5 s" in capsys.readouterr().err
     long = WindowPlan(window_s=20.0, max_window_s=30.0)
-    assert _fit_to_scrapes(long, reader, quiet=True) == long
-    assert _fit_to_scrapes(plan, ScrapeWindow(None), quiet=True) == plan
+    assert fit_to_scrapes(long, reader, quiet=True) == long
+    assert fit_to_scrapes(plan, ScrapeWindow(None), quiet=True) == plan
 
 
 def test_the_summary_says_the_cost_or_how_to_get_it(tmp_path: Path, capsys) -> None:

@@ -128,17 +128,17 @@ def test_tune_price_comes_from_the_flag_else_the_catalog_for_the_builtin_gpu_run
 ) -> None:
     import torch
 
-    from controller.cli import tune as cli_tune
+    from controller.cli import tune_backend as cli_tune
 
-    assert cli_tune._price(1.25, embedded=True) == (1.25, "--price-per-hour")
+    assert cli_tune.price(1.25, embedded=True) == (1.25, "--price-per-hour")
     monkeypatch.setattr(cli_tune, "local_device", lambda: "cpu")
-    assert cli_tune._price(None, embedded=True) == (None, "not given")  # never for a CPU
+    assert cli_tune.price(None, embedded=True) == (None, "not given")  # never for a CPU
     monkeypatch.setattr(cli_tune, "local_device", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    price, source = cli_tune._price(None, embedded=True)
+    price, source = cli_tune.price(None, embedded=True)
     assert price == CATALOG["h100-sxm"].usd_per_hour and "h100-sxm" in source
     # attached to someone else's deployment: its hardware is not this process's to guess
-    assert cli_tune._price(None, embedded=False) == (None, "not given")
+    assert cli_tune.price(None, embedded=False) == (None, "not given")
 
 
 def test_the_plan_bounds_the_search_by_max_slots_and_seeds_the_roofline_point() -> None:

@@ -20,7 +20,7 @@ ATTACH = r"""
 import sys
 import ray
 from controller.errors import BadInput
-from controller.tune_setup import attach_ray
+from controller.attach import attach_ray
 try:
     attach_ray(sys.argv[1])
 except BadInput as e:
