@@ -37,7 +37,7 @@ from controller.report.files import write_report
 from controller.report.records import TrialRecord
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.targets import Measurement, Target
-from metrics.observation import DEFAULT_SLO, Slo
+from controller.tune_study import STUDY_META_KEY, STUDY_TRIAL_PREFIX, save_to_study, stored_records
 from search.space import Knobs
 
 if TYPE_CHECKING:
@@ -45,10 +45,6 @@ if TYPE_CHECKING:
     from search.tuner import Tuner
 
 log = logging.getLogger(__name__)
-
-
-STUDY_META_KEY = "slotune.report"
-STUDY_TRIAL_PREFIX = "slotune.trial."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,13 +83,6 @@ class TuneOutcome:
     @property
     def feasible(self) -> bool:
         return self.report.chosen is not None
-
-
-def _save_to_study(tuner: Tuner, key: str, value: dict[str, Any]) -> None:
-    try:
-        tuner.study.set_user_attr(key, value)
-    except Exception as e:  # storage trouble must not lose the run; the JSONL has it
-        log.warning("could not store %s in the study: %s", key, e)
 
 
 class Terminated(KeyboardInterrupt):
@@ -150,9 +139,7 @@ def _tune(
     base = replace(base, confirmations=tuner.stop_rule.confirmations)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "trials.jsonl"
-    _save_to_study(
-        tuner, STUDY_META_KEY, {k: v for k, v in base.to_dict().items() if k != "trials"}
-    )
+    save_to_study(tuner, STUDY_META_KEY, {k: v for k, v in base.to_dict().items() if k != "trials"})
     original = _original_knobs(out, target)
     # A resumed study (same --study) keeps its trials: they count towards max_trials and
     # stay in the report, and a point confirmed feasible before is still known-good.
@@ -221,7 +208,7 @@ def _tune(
             walls.append(rec.wall_s)
             with jsonl.open("a") as f:
                 f.write(json.dumps({"t_unix": time.time(), **rec.to_dict()}) + "\n")
-            _save_to_study(tuner, f"{STUDY_TRIAL_PREFIX}{number:05d}", rec.to_dict())
+            save_to_study(tuner, f"{STUDY_TRIAL_PREFIX}{number:05d}", rec.to_dict())
             progress.end(rec, base.with_trials(records).chosen, total)
     except KeyboardInterrupt as e:
         interrupted = True
@@ -253,7 +240,7 @@ def _tune(
     if discarded:  # windows across a fault: never data, but the reviewer must know
         meta["discarded_windows"] = f"{len(discarded)}: " + " | ".join(discarded)
     report = report.with_trials(records, meta=meta)
-    _save_to_study(
+    save_to_study(
         tuner, STUDY_META_KEY, {k: v for k, v in report.to_dict().items() if k != "trials"}
     )
     paths = write_report(report, out)
@@ -366,15 +353,6 @@ def _leave_on_known_good(
     return (knobs.max_batch_size, knobs.max_concurrency), why
 
 
-def stored_records(user_attrs: dict[str, Any]) -> list[TrialRecord]:
-    """The trial records ``run_tune`` stored in a study's user attributes, in trial order."""
-    return [
-        TrialRecord.from_dict(v)
-        for k, v in sorted(user_attrs.items())
-        if k.startswith(STUDY_TRIAL_PREFIX)
-    ]
-
-
 ORIGINAL_KNOBS_FILE = "original_knobs.json"
 
 
@@ -415,84 +393,3 @@ def _original_knobs(out: Path, target: Target) -> Knobs | None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return found
-
-
-def report_from_study(storage: str, study_name: str | None = None) -> CurveReport:
-    """Rebuild the :class:`CurveReport` of a stored study (``slotune export STUDY``).
-
-    Studies written by ``slotune tune`` carry every trial record and the report's
-    context in their user attributes; other slotune studies (``slotune simulate``)
-    are rebuilt from the tuner's per-trial attributes, with no prediction."""
-    import optuna
-
-    from search.tuner import open_storage
-
-    st = open_storage(storage)
-    names = optuna.get_all_study_names(st)
-    if study_name is None:
-        if len(names) != 1:
-            raise ValueError(
-                f"storage {storage!r} holds studies {names}: name one with --study-name"
-            )
-        study_name = names[0]
-    if study_name not in names:
-        raise ValueError(f"study {study_name!r} not in {storage!r} (it holds {names})")
-    study = optuna.load_study(study_name=study_name, storage=st)
-    ua = study.user_attrs
-    trials = stored_records(ua)
-    meta = ua.get(STUDY_META_KEY)
-    if meta is not None:
-        return CurveReport.from_dict({**meta, "trials": [t.to_dict() for t in trials]})
-    # A study of the bare tuner: rebuild what its trial attributes hold.
-    slo = _slo_from_trials(study) or DEFAULT_SLO
-    recs = []
-    for t in study.get_trials(deepcopy=False):
-        a = t.user_attrs
-        if "max_batch_size" not in a or t.state.name != "COMPLETE":
-            continue
-        recs.append(
-            TrialRecord(
-                number=t.number,
-                max_batch_size=int(a["max_batch_size"]),
-                max_concurrency=int(a["max_concurrency"]),
-                tokens_per_s=_f(a.get("tokens_per_s")),
-                goodput_rps=_f(a.get("goodput_rps")),
-                throughput_rps=_f(a.get("throughput_rps")),
-                completed=int(a.get("completed") or 0),
-                rejected=int(a.get("rejected") or 0),
-                p50_ttft_ms=_f(a.get("ttft_p50_s")) * 1e3,
-                p99_ttft_ms=_f(a.get("ttft_p99_s")) * 1e3,
-                p50_tpot_ms=_f(a.get("tpot_p50_s")) * 1e3,
-                p99_tpot_ms=_f(a.get("tpot_p99_s")) * 1e3,
-                ttft_verdict=str(a.get("ttft_verdict", "none")),
-                tpot_verdict=str(a.get("tpot_verdict", "none")),
-                ttft_samples=int(a.get("completed") or 0),
-                tpot_samples=int(a.get("completed") or 0),
-                feasible=bool(a.get("feasible", False)),
-                window_s=_f(a.get("window_s")),
-                note=str(a.get("reason", "")),
-            )
-        )
-    return CurveReport(slo=slo, trials=tuple(recs), meta={"study": study_name})
-
-
-def _f(x: Any) -> float:
-    return math.nan if x is None else float(x)
-
-
-def _slo_from_trials(study: Any) -> Slo | None:
-    """The SLO a bare tuner study was run under, from its constraints (p99 − SLO)."""
-    from search.tuner import CONSTRAINT_NAMES
-
-    # Only a MET verdict's constraint is exactly p99 - SLO (others are floored at > 0).
-    for t in study.get_trials(deepcopy=False):
-        a, c = t.user_attrs, dict(t.constraints or {})
-        if a.get("ttft_verdict") != "met" or a.get("tpot_verdict") != "met":
-            continue
-        try:
-            ttft = a["ttft_p99_s"] - c[CONSTRAINT_NAMES[0]]
-            tpot = a["tpot_p99_s"] - c[CONSTRAINT_NAMES[1]]
-            return Slo(ttft_p99_s=ttft, tpot_p99_s=tpot)
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None

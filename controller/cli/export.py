@@ -26,7 +26,7 @@ def export(
 ) -> None:
     """Rebuild curve.csv, curve.json, curve.png and report.html from a stored study."""
     from controller.report.files import write_report
-    from controller.tune import report_from_study
+    from controller.tune_study import report_from_study
 
     flags.price("--price-per-hour", price_per_hour)
     study_storage("STUDY", study, must_exist=True)

@@ -13,7 +13,8 @@ from controller.report.curve import CurveReport
 from controller.report.records import PredictedPoint
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.targets import Measurement, Target
-from controller.tune import TuneLimits, report_from_study, run_tune
+from controller.tune import TuneLimits, run_tune
+from controller.tune_study import report_from_study
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
 from search.space import Knobs, SearchSpace
 from search.tuner import Tuner
