@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controller.errors import NoFeasiblePoint
 from controller.report.records import PredictedPoint
@@ -278,3 +278,57 @@ def plan_search(
         max_batch=max_slots,
         context=context,
     )
+
+
+def own_app_bounds(
+    cfg: dict[str, Any], model: ModelSpec | None, max_batch: int | None
+) -> tuple[ModelSpec | None, int]:
+    """For a deployment of slotune's own app: the model its args name (known, not assumed)
+    unless the user gave one, and a batch bound within its KV slots (a larger batch limit
+    would be refused by every replica's reconfigure)."""
+    from search.roofline.models import resolve_model
+    from serving.app.config import ServerArgs
+
+    try:
+        args = ServerArgs.from_args(cfg.get("args"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"app args of slotune's own app: {e}") from None
+    if model is None and args.model in MODELS:
+        model = resolve_model(MODELS[args.model])
+    return model, min(max_batch or DEFAULT_MAX_BATCH, args.max_slots)
+
+
+def plan_for_app(
+    model: ModelSpec | None,
+    hardware: str | None,
+    tp: int,
+    max_batch: int | None,
+    *,
+    slo: Slo,
+    price: float | None,
+    context: int,
+    replicas_here: bool,
+    device: str,
+    threads: int,
+    quiet: bool,
+) -> tuple[HardwareSpec | None, SearchPlan]:
+    """An existing deployment's plan: the roofline of ``model`` on ``hardware`` x ``tp``
+    when both are known (never silently the built-in preset), else unseeded with why."""
+    hw, note = None, NO_MODEL
+    if model is not None:
+        hw, note = roofline_hardware(
+            hardware, replicas_here=replicas_here, device=device, threads=threads, quiet=quiet
+        )
+    try:
+        return hw, plan_for(
+            model=model,
+            hardware=hw,
+            tp=tp,
+            slo=slo,
+            price=price,
+            max_batch=max_batch or DEFAULT_MAX_BATCH,
+            context=context,
+            reason="" if hw is not None else note,
+        )
+    except ValueError as e:
+        raise ValueError(f"--model-config/--hardware/--tp: {e}") from None

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from controller.attach import (
     attach_ray,
@@ -25,7 +26,13 @@ from controller.attach import (
     start_local_ray,
 )
 from controller.errors import BadInput
-from controller.tune_plan import MODELS, SearchPlan, hardware_spec, plan_search
+from controller.tune_plan import (
+    SearchPlan,
+    hardware_spec,
+    own_app_bounds,
+    plan_for_app,
+    plan_search,
+)
 
 if TYPE_CHECKING:
     from controller.backends.actuator import Actuator
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
     from search.roofline.models import ModelSpec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,9 +248,10 @@ def prepare(
         cfg = (details.get("applications", {}).get(app) or {}).get("deployed_app_config") or {}
         if cfg.get("import_path") == IMPORT_PATH:
             known = "slotune"  # slotune's own app: its metrics are known before any traffic
-            roofline_model, max_batch = _own_app_bounds(cfg, roofline_model, max_batch)
+            roofline_model, max_batch = _checked(own_app_bounds, cfg, roofline_model, max_batch)
         threads, threads_from = replica_threads(app, details)
-        hw, searched = _plan_roofline(
+        hw, searched = _checked(
+            plan_for_app,
             roofline_model,
             hardware,
             tp,
@@ -309,61 +318,12 @@ def prepare(
     return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
 
 
-def _own_app_bounds(
-    cfg: dict[str, Any], model: ModelSpec | None, max_batch: int | None
-) -> tuple[ModelSpec | None, int]:
-    """For a deployment of slotune's own app: the model its args name (known, not assumed)
-    unless the user gave one, and a batch bound within its KV slots (a larger batch limit
-    would be refused by every replica's reconfigure)."""
-    from controller.tune_plan import DEFAULT_MAX_BATCH
-    from search.roofline.models import resolve_model
-    from serving.app.config import ServerArgs
-
+def _checked(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``fn(*args, **kw)``, its ValueError (a flag's value at fault, named) as BadInput."""
     try:
-        args = ServerArgs.from_args(cfg.get("args"))
-    except (TypeError, ValueError) as e:
-        raise BadInput(f"app args of slotune's own app: {e}") from None
-    if model is None and args.model in MODELS:
-        model = resolve_model(MODELS[args.model])
-    return model, min(max_batch or DEFAULT_MAX_BATCH, args.max_slots)
-
-
-def _plan_roofline(
-    model: ModelSpec | None,
-    hardware: str | None,
-    tp: int,
-    max_batch: int | None,
-    *,
-    slo: Slo,
-    price: float | None,
-    context: int,
-    replicas_here: bool,
-    device: str,
-    threads: int,
-    quiet: bool,
-) -> tuple[HardwareSpec | None, SearchPlan]:
-    """An existing deployment's plan: the roofline of ``model`` on ``hardware`` x ``tp``
-    when both are known (never silently the built-in preset), else unseeded with why."""
-    from controller.tune_plan import DEFAULT_MAX_BATCH, NO_MODEL, plan_for, roofline_hardware
-
-    hw, note = None, NO_MODEL
-    if model is not None:
-        hw, note = roofline_hardware(
-            hardware, replicas_here=replicas_here, device=device, threads=threads, quiet=quiet
-        )
-    try:
-        return hw, plan_for(
-            model=model,
-            hardware=hw,
-            tp=tp,
-            slo=slo,
-            price=price,
-            max_batch=max_batch or DEFAULT_MAX_BATCH,
-            context=context,
-            reason="" if hw is not None else note,
-        )
+        return fn(*args, **kw)
     except ValueError as e:
-        raise BadInput(f"--model-config/--hardware/--tp: {e}") from None
+        raise BadInput(str(e)) from None
 
 
 def _make_actuator(name: str, **kw: Any) -> Actuator:
@@ -409,7 +369,8 @@ def _prepare_unmanaged(
         under_ray=False,
     )
     model, hardware, tp, max_batch = roof
-    hw, searched = _plan_roofline(
+    hw, searched = _checked(
+        plan_for_app,
         model,
         hardware,
         tp,
