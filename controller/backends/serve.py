@@ -40,9 +40,17 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_KNOB = "user_config.max_batch_size"
 
 
-def pick_deployment(details: dict[str, Any], app: str, deployment: str | None) -> str:
-    """``deployment`` if the app has it, else the app's only deployment (ActuatorError
-    listing them when there are several or none)."""
+def pick_deployment(
+    details: dict[str, Any],
+    app: str,
+    deployment: str | None,
+    *,
+    prefix: str = "",
+    role: str = "one",
+) -> str:
+    """``deployment`` if the app has it, else the app's only deployment whose name starts
+    with ``prefix`` (ActuatorError listing them when there are several or none, asking to
+    name ``role`` with --deployment)."""
     apps = details.get("applications") or {}
     if app not in apps:
         raise ActuatorError(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
@@ -51,9 +59,10 @@ def pick_deployment(details: dict[str, Any], app: str, deployment: str | None) -
         if deployment not in names:
             raise ActuatorError(f"--deployment {deployment}: not in app {app!r} (it has {names})")
         return deployment
-    if len(names) != 1:
-        raise ActuatorError(f"app {app!r} has deployments {names}: name one with --deployment")
-    return names[0]
+    matching = [n for n in names if n.startswith(prefix)]
+    if len(matching) != 1:
+        raise ActuatorError(f"app {app!r} has deployments {names}: name {role} with --deployment")
+    return matching[0]
 
 
 # The user_config key slotune's own app reads its admission limit from

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from controller.backends.actuator import ActuatorError, KnobEffects
-from controller.backends.serve import ServeActuator
+from controller.backends.serve import ServeActuator, pick_deployment
 from controller.backends.serve_rest import ServeRest, dashboard_url_of_cluster
 from serving.app.cluster import read_token
 
@@ -63,24 +63,6 @@ def llm_index(app_cfg: dict[str, Any], deployment: str) -> int:
     raise ActuatorError(f"deployment {deployment!r} serves none of the app's llm_configs")
 
 
-def pick_llm_deployment(details: dict[str, Any], app: str, deployment: str | None) -> str:
-    """``deployment``, else the app's one LLM server deployment (``LLMServer:...``)."""
-    apps = details.get("applications") or {}
-    if app not in apps:
-        raise ActuatorError(f"--app {app}: no such application (running: {sorted(apps) or 'none'})")
-    names = sorted(apps[app].get("deployments") or {})
-    if deployment is not None:
-        if deployment not in names:
-            raise ActuatorError(f"--deployment {deployment}: not in app {app!r} (it has {names})")
-        return deployment
-    servers = [n for n in names if n.startswith(LLM_PREFIX)]
-    if len(servers) != 1:
-        raise ActuatorError(
-            f"app {app!r} has deployments {names}: name the LLM server with --deployment"
-        )
-    return servers[0]
-
-
 class ServeLLMActuator(ServeActuator):
     """A Ray Serve LLM app: admission limit live, batch limit (vLLM ``max_num_seqs``) by a
     measured restart."""
@@ -92,7 +74,7 @@ class ServeLLMActuator(ServeActuator):
             kw.pop("dashboard_url", None) or dashboard_url_of_cluster(), token=read_token()
         )
         details = rest.details()
-        dep = pick_llm_deployment(details, app, deployment)
+        dep = pick_deployment(details, app, deployment, prefix=LLM_PREFIX, role="the LLM server")
         cfg = (details.get("applications") or {}).get(app, {}).get("deployed_app_config") or {}
         self._index = llm_index(cfg, dep)
         super().__init__(app=app, deployment=dep, rest=rest, **kw)

@@ -22,19 +22,8 @@ from controller.load.spec import (
     load_trace,
     saturating_spec,
 )
-from tests.controller.tiny_tokenizers import bpe_tokenizer, wordlevel_tokenizer
 
 URL = "http://127.0.0.1:1/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return bpe_tokenizer(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
-
-
-@pytest.fixture(scope="module")
-def wordlevel(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return wordlevel_tokenizer(tmp_path_factory.mktemp("wl") / "tokenizer.json")
 
 
 @pytest.mark.parametrize("kind", ["bpe", "wordlevel"])

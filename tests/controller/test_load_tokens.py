@@ -16,26 +16,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 from aiohttp import web
 from tokenizers import Tokenizer
 
 from controller.load.generator import run_load
 from controller.load.spec import LoadSpec, TraceItem, completions_url
 from serving.sim.workload import LengthDist
-from tests.controller.tiny_tokenizers import bpe_tokenizer, wordlevel_tokenizer
 
 CHAT_TEMPLATE_TOKENS = 5  # what the stand-in server's "chat template" adds to a message
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return bpe_tokenizer(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
-
-
-@pytest.fixture(scope="module")
-def wordlevel(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return wordlevel_tokenizer(tmp_path_factory.mktemp("wl") / "tokenizer.json")
 
 
 @dataclass

@@ -16,15 +16,9 @@ from search.guide import Guide
 from search.space import Knobs, SearchSpace
 from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
 from search.tuner import CONSTRAINT_NAMES, Tuner, open_storage
+from tests.search.sim_objective import SLO, SPACE, model_tpot, noisy_window
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
-SPACE = SearchSpace(batch_min=1, batch_max=256, headroom_max=4.0)
-
-
-def model_tpot(b: int) -> float:
-    """The 'peak roofline' the tuner is given: optimistic by ~2x."""
-    return 0.008 + 0.0006 * b
 
 
 class Fleet:
@@ -46,34 +40,7 @@ class Fleet:
 
     def __call__(self, k: Knobs) -> Observation:
         self.calls += 1
-        tpot, ttft, goodput = self.true(k)
-        f = float(np.exp(self.rng.normal(0, self.noise)))
-        tpot, ttft, goodput = tpot * f, ttft * f, goodput / f
-
-        def v(est: float, thr: float) -> SloVerdict:
-            if est <= 0.98 * thr:
-                verdict = Verdict.MET
-            elif est > 1.02 * thr:
-                verdict = Verdict.VIOLATED
-            else:
-                verdict = Verdict.INSUFFICIENT
-            return SloVerdict(
-                verdict=verdict, threshold_s=thr, estimate_s=est, samples=1000, confidence=0.95
-            )
-
-        tv, pv = v(ttft, SLO.ttft_p99_s), v(tpot, SLO.tpot_p99_s)
-        ok = tv.verdict is Verdict.MET and pv.verdict is Verdict.MET
-        n = round(goodput * 60)
-        return Observation(
-            start_s=0.0,
-            end_s=60.0,
-            completed=n,
-            slo_met=n if ok else n // 3,
-            ttft=Percentiles(p99=ttft),
-            tpot=Percentiles(p99=tpot),
-            ttft_verdict=tv,
-            tpot_verdict=pv,
-        )
+        return noisy_window(*self.true(k), rng=self.rng, noise=self.noise)
 
 
 def oracle() -> Knobs:

@@ -9,23 +9,17 @@ import numpy as np
 import optuna
 import pytest
 
-from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
+from metrics.observation import Observation
 from search.guide import Guide
-from search.space import Knobs, SearchSpace
+from search.space import Knobs
 from search.stage_sampler import StageSampler
 from search.stages import KnobCosts, change_summary, next_cap, realize, stage_state
 from search.stop_rule import PointSummary, StopRule
 from search.tuner import Tuner
+from tests.search.sim_objective import SLO, SPACE, model_tpot, noisy_window
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
-SPACE = SearchSpace(batch_min=1, batch_max=256, headroom_max=4.0)
 RESTART_S = 45.0  # what the simulated deployment takes to restart with a new batch limit
-
-
-def model_tpot(b: int) -> float:
-    """The 'peak roofline' the tuner is given: optimistic by ~2x."""
-    return 0.008 + 0.0006 * b
 
 
 class Engine:
@@ -54,35 +48,7 @@ class Engine:
 
     def window(self, concurrency: int) -> Observation:
         assert self.cap is not None
-        tpot, ttft, goodput = self.true(self.cap, concurrency)
-        f = float(np.exp(self.rng.normal(0, self.noise)))
-        tpot, ttft, goodput = tpot * f, ttft * f, goodput / f
-
-        def v(est: float, thr: float) -> SloVerdict:
-            verdict = (
-                Verdict.MET
-                if est <= 0.98 * thr
-                else Verdict.VIOLATED
-                if est > 1.02 * thr
-                else Verdict.INSUFFICIENT
-            )
-            return SloVerdict(
-                verdict=verdict, threshold_s=thr, estimate_s=est, samples=1000, confidence=0.95
-            )
-
-        tv, pv = v(ttft, SLO.ttft_p99_s), v(tpot, SLO.tpot_p99_s)
-        ok = tv.verdict is Verdict.MET and pv.verdict is Verdict.MET
-        n = round(goodput * 60)
-        return Observation(
-            start_s=0.0,
-            end_s=60.0,
-            completed=n,
-            slo_met=n if ok else n // 3,
-            ttft=Percentiles(p99=ttft),
-            tpot=Percentiles(p99=tpot),
-            ttft_verdict=tv,
-            tpot_verdict=pv,
-        )
+        return noisy_window(*self.true(self.cap, concurrency), rng=self.rng, noise=self.noise)
 
 
 def best_feasible_goodput() -> float:
