@@ -653,3 +653,63 @@ def test_the_stop_rule_waits_for_a_point_the_report_would_deploy(tmp_path: Path)
     assert out.stop_reason == "stop rule: always"
     # it stopped at the first trial after which the report had a point
     assert all(not t.feasible for t in out.report.trials[:-1])
+
+
+class RestartingTarget(FakeTarget):
+    """A serve-llm-like target: the batch cap (max_num_seqs) restarts replicas, admission
+    is live; the engine runs min(C, cap) sequences a step."""
+
+    RESTART_S = 30.0
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.cap: int | None = None
+        self.caps: list[int | None] = []
+
+    def apply(self, knobs: Knobs, *, batch_cap: int | None = None):
+        from controller.backends.actuator import ApplyCost
+
+        self.applied.append(knobs)
+        self.caps.append(batch_cap)
+        restarted = batch_cap is not None and batch_cap != self.cap
+        self.cap = batch_cap if batch_cap is not None else self.cap
+        if restarted and self.clock is not None:
+            self.clock.t += self.RESTART_S
+        return ApplyCost(seconds=self.RESTART_S if restarted else 0.0, restarted=restarted)
+
+
+def test_a_restarting_batch_limit_is_moved_rarely_and_its_restarts_are_counted(tmp_path: Path):
+    from controller.report.html import explain
+    from search.stages import KnobCosts
+
+    clock = Clock()
+    target = RestartingTarget(clock=clock)
+    tuner = Tuner(
+        space=SearchSpace(batch_min=1, batch_max=64, headroom_max=2.0),
+        slo=SLO,
+        storage=str(tmp_path / "study.journal"),
+        study_name="t",
+        seed_knobs=[Knobs(max_batch_size=16, max_concurrency=16)],
+        model_tpot_s=lambda b: 0.008 + 0.0006 * b,
+        seed=0,
+        costs=KnobCosts(batch="restart"),
+    )
+    out = run_tune(
+        target=target,
+        tuner=tuner,
+        base=base(),
+        limits=TuneLimits(max_trials=12, time_budget_s=1e6, retry_wait_s=0.0),
+        out_dir=tmp_path / "out",
+        clock=clock,
+        sleep=lambda s: None,
+    )
+    loop_caps = target.caps[: len(out.report.trials)]  # the last apply leaves it on the pick
+    changes = sum(1 for a, b in zip([None, *loop_caps], loop_caps, strict=False) if a != b)
+    assert 1 <= changes <= 1 + KnobCosts().max_batch_changes  # the first setting, then <= 3
+    backend = out.report.backend
+    assert backend["batch_limit"] == "restart" and backend["restarts"] == changes
+    assert backend["restart_s"] == RestartingTarget.RESTART_S * changes
+    noted = [t for t in out.report.trials if "replica restart" in t.note]
+    assert len(noted) == changes
+    assert all(t.wall_s >= RestartingTarget.RESTART_S for t in noted)  # in the trial's time
+    assert "restarts the replicas" in " ".join(explain(out.report))
