@@ -1,7 +1,8 @@
 """Which knob the tuner measures next before its sampler's turn (pure).
 
 In order: the seed, then re-measurement of the best open point when little is left above
-it, then the roofline guide (:mod:`search.guide`; without one, the remaining seeds), then
+it (without a guide: once every seed was measured), then the roofline guide
+(:mod:`search.guide`; without one, the remaining seeds), then
 re-measurement of the best open point and of a doubtful point above the incumbent
 (:mod:`search.remeasure`). docs/search.md gives the reasons. ``reachable`` limits every
 answer to the knobs a staged search can measure under its current cap
@@ -71,8 +72,11 @@ def next_fixed(
             model_top = guide.ceiling(points, best)
             if math.isfinite(model_top) and not model_top >= top:
                 top = model_top
+        # Without a guide, the remaining start points come first: one point on the SLO's
+        # edge under a noisy load would otherwise be re-measured until the budget is gone.
+        unguided = guide is None and seeds_done >= len(seeds)
         if ok(best.knobs) and (
-            guide is None or (math.isfinite(top) and best.goodput_rps >= (1 - declare_gain) * top)
+            unguided or (math.isfinite(top) and best.goodput_rps >= (1 - declare_gain) * top)
         ):
             return Next(knobs=best.knobs, phase="remeasure")
     done = False

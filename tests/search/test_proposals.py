@@ -1,0 +1,57 @@
+"""Which knob comes next before the sampler's turn (search/proposals.py)."""
+
+from __future__ import annotations
+
+import math
+
+from metrics.observation import Slo, Verdict
+from search.proposals import next_fixed
+from search.space import Knobs
+from search.stop_rule import PointSummary, StopRule
+
+SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.02)
+SEEDS = [Knobs(max_batch_size=b, max_concurrency=b) for b in (4, 2, 8)]
+
+
+def _point(b: int, *, met: int, windows: int) -> PointSummary:
+    return PointSummary(
+        knobs=Knobs(max_batch_size=b, max_concurrency=b),
+        measurements=windows,
+        goodput_rps=10.0,
+        feasible=met * 2 >= windows,
+        ttft_p99_s=0.5,
+        tpot_p99_s=0.019,
+        ttft_ok=True,
+        tpot_ok=met == windows,
+        last_trial=windows - 1,
+        first_trial=0,
+        met_windows=met,
+        throughput_rps=math.nan,
+        pooled=Verdict.INSUFFICIENT,
+    )
+
+
+def _next(points: list[PointSummary], seeds_done: int):
+    return next_fixed(
+        points,
+        rule=StopRule(),
+        slo=SLO,
+        declare_gain=0.02,
+        guide=None,
+        seeds=SEEDS,
+        seeds_done=seeds_done,
+        guided_done=0,
+        guide_over=False,
+    )
+
+
+def test_unseeded_search_measures_every_start_point_before_remeasuring_one() -> None:
+    # The first start point met its SLO in one window of two (on the edge, a noisy load):
+    # the other start points come first, then it is measured again.
+    edge = _point(4, met=1, windows=2)
+    nxt = _next([edge], seeds_done=1)
+    assert (nxt.knobs, nxt.phase) == (SEEDS[1], "seed")
+    nxt = _next([edge, _point(2, met=1, windows=1)], seeds_done=2)
+    assert (nxt.knobs, nxt.phase) == (SEEDS[2], "seed")
+    nxt = _next([edge, _point(2, met=1, windows=1), _point(8, met=0, windows=1)], seeds_done=3)
+    assert nxt.phase == "remeasure"
