@@ -160,7 +160,7 @@ def test_tune_through_a_real_prometheus(
     code, _, err = _cli(argv, capsys)
     assert code in (0, 3), f"exit {code}: {err[-2000:]}"  # a verdict either way
     d = json.loads((out / "curve.json").read_text())
-    assert d["meta"]["metrics"] == f"Prometheus {prometheus_server.url}"
+    assert d["meta"]["metrics"] == f"Prometheus {prometheus_server.url} (slotune profile)"
     trials = d["trials"]
     assert 1 <= len(trials) <= 2
     for t in trials:
