@@ -280,12 +280,13 @@ def tune(
         raise BadInput(f"--warmup {warmup_s!r}: must be a number of seconds >= 0")
     _positive("--window", window_s)
     _positive("--max-window", max_window_s)
-    embedded = address is None and app_name is None and actuator is None
+    builtin = app_name is None and actuator is None  # slotune deploys its own model
+    embedded = builtin and address is None  # ... on the local Ray it starts
     try:
         roof_model = roofline_model(model_config, None)
     except ValueError as e:
         raise BadInput(f"--model-config {model_config}: {e}") from None
-    if embedded and (roof_model is not None or hardware is not None or tp != 1):
+    if builtin and (roof_model is not None or hardware is not None or tp != 1):
         raise BadInput(
             "--model-config, --hardware and --tp describe an --app's deployment; the "
             "built-in model's roofline is known (give --app, or leave them out)"
@@ -308,11 +309,11 @@ def tune(
             endpoint=endpoint,
             prompt_format=prompt_format,
             tokenizer=tune_load.tokenizer(tokenizer),
-            ignore_eos=tune_backend.ignore_eos(ignore_eos, actuator, metrics_profile, embedded),
+            ignore_eos=tune_backend.ignore_eos(ignore_eos, actuator, metrics_profile, builtin),
         )
     except ValueError as e:
         raise BadInput(str(e)) from None
-    if embedded:  # the built-in model: its context is known before it is deployed
+    if builtin:  # the built-in model: its context is known before it is deployed
         tune_load.fits_context(shape, model, prompt_tokens, output_tokens, trace)
     if study is not None:
         study_storage("--study", study, must_exist=False)
@@ -379,7 +380,7 @@ def tune(
             trials=(),
             predicted=searched.predicted,
             model=tune_backend.model_label(
-                searched, MODELS[model] if embedded else None, app_name or url
+                searched, MODELS[model] if builtin else None, app_name or url
             ),
             hardware=hw.name if hw is not None else "unknown (give --hardware)",
             hardware_detail=tune_backend.hardware_detail(hw, prepared.hardware_note, setup.device),

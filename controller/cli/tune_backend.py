@@ -37,7 +37,7 @@ def check_hardware(name: str | None) -> None:
 
 
 def ignore_eos(
-    given: bool | None, actuator: str | None, profile: str | None, embedded: bool
+    given: bool | None, actuator: str | None, profile: str | None, builtin: bool
 ) -> bool:
     """``--ignore-eos``, else on for servers known to honour it (slotune's own, vLLM,
     SGLang, Ray Serve LLM) and off for an unknown one (it might refuse the field)."""
@@ -45,7 +45,7 @@ def ignore_eos(
 
     if given is not None:
         return given
-    if embedded or actuator == "serve-llm":
+    if builtin or actuator == "serve-llm":
         return True
     return profile is not None and honours_ignore_eos(profile)
 

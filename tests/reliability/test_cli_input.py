@@ -110,6 +110,8 @@ LENGTH_CASES = [
     (["--prompt-tokens", "uniform:10-600"], "600 + 8"),
     (["--prompt-tokens", "lognormal:100,0.5"], "lognormal:100,0.5 draws up to 800"),
     (["--output-tokens", "lognormal:64,0.2"], "draws up to 512"),
+    # the built-in model deployed on an attached cluster: its context is known too
+    (["--address", "127.0.0.1:1", "--prompt-tokens", "600"], "--prompt-tokens 600"),
 ]
 
 
