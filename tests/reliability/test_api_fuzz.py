@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from serving.app import openai_api as oa
 from serving.app import openai_request as oreq
 from serving.app.openai_fields import COMPLETION_FIELDS
+from tests.fixtures.tiny_app import tiny_app
 
 SERVED = "slotune-tiny"
 # Every field the completion endpoint knows (honoured or default-only), plus unknown ones.
@@ -122,21 +123,13 @@ CONTENT_TYPES = ["application/json", "text/plain", "", "application/json; charse
 
 @pytest.fixture(scope="module")
 def endpoint(ray_cluster):
-    from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import delete_app, deploy_app
-
-    deploy_app(
-        ServerArgs(model="tiny", max_slots=4),
-        LiveConfig(max_batch_size=2, max_ongoing_requests=4),
-        name=APP,
-        route_prefix=f"/{APP}",
-        max_queued_requests=8,
-    )
-    with httpx.Client(base_url=f"{ray_cluster.http_url}/{APP}", timeout=30) as client:
+    with (
+        tiny_app(ray_cluster, APP, batch=2, ongoing=4, queued=8) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
         ref = client.post("/v1/completions", json=REF)
         assert ref.status_code == 200
         yield client, ref.json()["choices"][0]["text"]
-    delete_app(APP)
 
 
 def _post_and_check(client: httpx.Client, reference: str, content: bytes, ctype: str) -> None:

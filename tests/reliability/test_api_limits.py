@@ -12,6 +12,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from tests.fixtures.tiny_app import tiny_app
+
 pytestmark = pytest.mark.ray
 
 APP = "limits"
@@ -19,18 +21,8 @@ APP = "limits"
 
 @pytest.fixture(scope="module")
 def base(ray_cluster):
-    from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import delete_app, deploy_app
-
-    deploy_app(
-        ServerArgs(model="tiny", max_slots=4),
-        LiveConfig(max_batch_size=2, max_ongoing_requests=2),
-        name=APP,
-        route_prefix=f"/{APP}",
-        max_queued_requests=4,
-    )
-    yield f"{ray_cluster.http_url}/{APP}"
-    delete_app(APP)
+    with tiny_app(ray_cluster, APP, batch=2, ongoing=2, queued=4) as url:
+        yield url
 
 
 def test_a_body_declared_too_large_is_refused_before_it_is_sent(base: str) -> None:

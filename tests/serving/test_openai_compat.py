@@ -28,6 +28,7 @@ from serving.app.text_output import TextOutput
 from serving.engine.engine import Engine
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import ByteTokenizer, render_chat
+from tests.fixtures.tiny_app import tiny_app
 
 MODEL = "slotune-tiny"
 EOS = ByteTokenizer.EOS
@@ -411,18 +412,8 @@ APP = "compat"
 
 @pytest.fixture(scope="module")
 def base(ray_cluster):
-    from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import delete_app, deploy_app
-
-    deploy_app(
-        ServerArgs(model="tiny", max_slots=4),
-        LiveConfig(max_batch_size=4, max_ongoing_requests=4),
-        name=APP,
-        route_prefix=f"/{APP}",
-        max_queued_requests=8,
-    )
-    yield f"{ray_cluster.http_url}/{APP}"
-    delete_app(APP)
+    with tiny_app(ray_cluster, APP, batch=4, ongoing=4, queued=8) as url:
+        yield url
 
 
 def sse(base: str, path: str, body: dict) -> list:
