@@ -235,6 +235,7 @@ def prepare(
     if name in ("serve", "serve-llm"):
         rest_url = dashboard_url or cluster_dashboard_url()
     known = "slotune" if app is None else None
+    details: dict[str, Any] | None = None  # Serve's details, once the app is there
     if app is None:
         threads, threads_from = embedded_threads(), "the built-in deployment"
         hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
@@ -301,7 +302,7 @@ def prepare(
     )
     setup = Setup(
         app=app,
-        url=url or serve_url(app, serve_details(rest_url)),
+        url=url or serve_url(app, details or serve_details(rest_url)),
         reader=reader,
         reader_desc=desc,
         started_ray=started,
