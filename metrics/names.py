@@ -20,6 +20,10 @@ RAY_PREFIX = "ray_"
 TTFT_SECONDS = "slotune_ttft_seconds"
 TPOT_SECONDS = "slotune_tpot_seconds"
 QUEUE_WAIT_SECONDS = "slotune_queue_wait_seconds"
+# TTFT on the replica's own clock (from when Serve handed it the request): what
+# TTFT_SECONDS measured before it started at Serve's proxy; the gap between the two is
+# the proxy, routing and Serve's router queue (docs/serving.md "Metrics").
+REPLICA_TTFT_SECONDS = "slotune_replica_ttft_seconds"
 
 # Counters.
 REQUESTS_TOTAL = "slotune_requests_total"  # completed requests, label slo_met
@@ -29,6 +33,9 @@ REJECTED_TOTAL = "slotune_rejected_requests_total"  # label reason: REJECTED_REA
 # (ABORTED_REASONS); what they did get (first token, tokens) is in the TTFT histogram and
 # the tokens counter. Not completions: no slo_met count, no goodput.
 ABORTED_TOTAL = "slotune_aborted_requests_total"
+# Completion requests by the clock their TTFT started on, label clock (ARRIVAL_CLOCKS):
+# "front_door" (Serve's proxy stamped the arrival) or "replica" (no stamp reached it).
+ARRIVAL_CLOCK_TOTAL = "slotune_arrival_clock_total"
 
 # Gauges.
 RUNNING_REQUESTS = "slotune_running_requests"
@@ -52,6 +59,7 @@ LABEL_REASON = "reason"
 LABEL_KNOB = "knob"
 LABEL_SLO = "slo"  # "ttft" | "tpot"
 LABEL_VERDICT = "verdict"  # a metrics.observation.Verdict value
+LABEL_CLOCK = "clock"  # ARRIVAL_CLOCKS
 
 # Values of LABEL_REASON.
 REASON_BAD_REQUEST = "bad_request"  # a 4xx other than 413 and 429
@@ -62,8 +70,19 @@ REASON_ERROR = "error"  # the server failed the request
 REJECTED_REASONS = (REASON_BAD_REQUEST, REASON_TOO_LARGE, REASON_OVERLOADED)
 ABORTED_REASONS = (REASON_CLIENT_DISCONNECT, REASON_ERROR)
 
-HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS)
-COUNTERS = (REQUESTS_TOTAL, GENERATED_TOKENS_TOTAL, REJECTED_TOTAL, ABORTED_TOTAL)
+# Values of LABEL_CLOCK.
+CLOCK_FRONT_DOOR = "front_door"  # Serve's HTTP proxy, before routing (serving/app/front_door.py)
+CLOCK_REPLICA = "replica"  # the replica, when Serve handed it the request
+ARRIVAL_CLOCKS = (CLOCK_FRONT_DOOR, CLOCK_REPLICA)
+
+HISTOGRAMS = (TTFT_SECONDS, TPOT_SECONDS, QUEUE_WAIT_SECONDS, REPLICA_TTFT_SECONDS)
+COUNTERS = (
+    REQUESTS_TOTAL,
+    GENERATED_TOKENS_TOTAL,
+    REJECTED_TOTAL,
+    ABORTED_TOTAL,
+    ARRIVAL_CLOCK_TOTAL,
+)
 GAUGES = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_CACHE_USAGE_RATIO, MAX_BATCH_SIZE)
 
 # Neighbouring bucket bounds are at most this ratio apart everywhere in range...

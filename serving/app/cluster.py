@@ -17,6 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.app import ray_private
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -32,13 +34,16 @@ LOOPBACK = "127.0.0.1"
 #   must compete on equal terms;
 # - RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0: request handlers run on the
 #   replica's main event loop, which saves a cross-thread hop per streamed event
-#   (the handlers never block: the engine steps in its own thread).
+#   (the handlers never block: the engine steps in its own thread);
+# - Serve's proxy callback: the proxy stamps each request's arrival, where the replica
+#   starts its TTFT clock (serving/app/front_door.py; a Serve internal, hence ray_private).
 RAY_ENV_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",
     "OMP_WAIT_POLICY": "PASSIVE",
     "RAY_worker_niceness": "0",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    ray_private.PROXY_CALLBACK_ENV: ray_private.PROXY_CALLBACK,
 }
 
 
@@ -131,10 +136,8 @@ def keep_loopback() -> None:
     ray already, so its copy of the flag is set too (a private name, pinned by
     tests/reliability/test_listeners.py; set in serving/app/ray_private.py).
     """
-    from serving.app.ray_private import keep_loopback_flag
-
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    keep_loopback_flag()
+    ray_private.keep_loopback_flag()
 
 
 # Ray's own warning on starting a cluster with token auth ends "Set RAY_AUTH_MODE=disabled

@@ -9,7 +9,11 @@ serving/app/text_output.py), recording every outcome in the replica's metrics. T
 Serve deployment that routes requests here is serving/app/server.py.
 
 Every bad request is a 4xx with an OpenAI-style JSON error body. A request's TTFT and
-queue wait run from its arrival (its body read), so time in the admission queue is in them.
+queue wait run from its arrival at the deployment's front door: Serve's HTTP proxy, which
+stamps it before routing (serving/app/front_door.py), so time in Serve's proxy and router
+and in the replica's admission queue is in them. Without a stamp they run from the
+replica's own arrival (the handler's first line), and ``slotune_arrival_clock_total``
+says which clock each request got.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from serving.app import openai_api as oa
 from serving.app import openai_request as oreq
 from serving.app.admission import Admission, Overloaded, Ticket
 from serving.app.config import ServerArgs
+from serving.app.front_door import front_door_arrival
 from serving.app.serve_metrics import ServeMetrics
 from serving.app.text_output import TextOutput
 from serving.scheduler.plan import RequestTiming
@@ -61,6 +66,8 @@ class CompletionHandler:
 
     ``metrics`` returns the replica's :class:`ServeMetrics` (made at first use, by the
     deployment: serving/app/server.py); :meth:`on_finish` is the engine's finish hook.
+    ``front_door``: whether Serve's proxy stamps arrivals in this cluster (then a request's
+    stamp is believed: serving/app/front_door.py).
     """
 
     def __init__(
@@ -70,7 +77,12 @@ class CompletionHandler:
         args: ServerArgs,
         admission: Admission,
         metrics: Callable[[], ServeMetrics],
+        front_door: bool = False,
     ) -> None:
+        self.front_door = front_door
+        # request id -> seconds from the front door to the replica (the engine's finish
+        # hook runs on its thread; a dict's pop and set are atomic)
+        self._serve_delays: dict[str, float] = {}
         self.engine = engine  # serving.engine.async_engine.AsyncEngine (torch: not imported here)
         self.args = args
         self.admission = admission
@@ -82,16 +94,17 @@ class CompletionHandler:
         self.max_prompt_chars = context * self.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
 
     def on_finish(self, timing: Any) -> None:
+        delay = self._serve_delays.pop(timing.request_id, 0.0)
         try:
-            self.metrics().record_finish(timing)
+            self.metrics().record_finish(timing, serve_delay_s=delay)
         except Exception:
             logger.exception("could not record metrics for %s", timing)
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         """Answer one completion (``chat``: chat completion) request."""
+        arrival, reached = self._arrival(request)  # the engine's clock: TTFT starts here
         try:
             raw = await self._read_body(request)
-            arrival = self.engine.engine.clock()  # the engine's clock: its TTFT starts here
             body = oa.parse_json_body(raw)
             del raw
             parse = oreq.parse_chat_request if chat else oreq.parse_completion_request
@@ -118,7 +131,7 @@ class CompletionHandler:
             err = oa.ApiError(str(e), status=429, type="server_overloaded", code="overloaded")
             return json_error(err, headers={"Retry-After": str(e.retry_after_s)})
         except BaseException as e:  # the client left while queued: accepted, not completed
-            self._record_aborted(e, arrival, None, 0)
+            self._record_aborted(e, arrival, reached - arrival, None, 0)
             raise
         job = _Job(
             req=req,
@@ -126,14 +139,30 @@ class CompletionHandler:
             max_tokens=max_tokens,
             cid=oa.new_completion_id(chat=chat),
             arrival=arrival,
+            serve_delay_s=reached - arrival,
             stop_ids=stop_ids,
         )
+        self._serve_delays[job.cid] = job.serve_delay_s
         if req.stream:
             return StreamingResponse(self._stream(job, ticket), media_type=oa.SSE_MEDIA_TYPE)
         try:
             return await self._complete(job)
         finally:
             ticket.release()
+
+    def _arrival(self, request: Request) -> tuple[float, float]:
+        """``(arrival, reached)`` on the engine's clock: when the request reached the
+        deployment (Serve's proxy stamp, believed only with ``front_door``; else when it
+        reached this replica) and when it reached this replica (now)."""
+        reached = self.engine.engine.clock()
+        front = front_door_arrival(
+            request.headers, trusted=self.front_door, now_engine=reached, now_wall_ns=time.time_ns()
+        )
+        try:
+            self.metrics().record_arrival_clock(front_door=front is not None)
+        except Exception:
+            logger.exception("could not count the arrival clock")
+        return (reached if front is None else min(front, reached)), reached
 
     def _check_min_tokens(self, min_tokens: int, max_tokens: int, stop_ids: frozenset[int]) -> None:
         if min_tokens > max_tokens:
@@ -161,7 +190,8 @@ class CompletionHandler:
     def _record_stop_string(self, job: _Job, output: TextOutput, first: float | None) -> None:
         """A stop string ended the request: the engine request was aborted, so the engine
         reports no timing; record the handler's view of it (first and last token as the
-        handler got them; no queue wait) as a completed request."""
+        handler got them; no queue wait) as a completed request (:meth:`on_finish`: its
+        front-door delay goes with it)."""
         now = self.engine.engine.clock()
         timing = RequestTiming(
             request_id=job.cid,
@@ -253,7 +283,7 @@ class CompletionHandler:
                     if output.stopped == "string":
                         break
         except BaseException as e:
-            self._record_aborted(e, job.arrival, first, output.tokens)
+            self._record_aborted(e, job.arrival, job.serve_delay_s, first, output.tokens, job.cid)
             raise
         if output.stopped == "string":
             self._record_stop_string(job, output, first)
@@ -270,10 +300,20 @@ class CompletionHandler:
         return JSONResponse(body)
 
     def _record_aborted(
-        self, e: BaseException, arrival: float, first: float | None, tokens: int
+        self,
+        e: BaseException,
+        arrival: float,
+        serve_delay_s: float,
+        first: float | None,
+        tokens: int,
+        cid: str | None = None,
     ) -> None:
         """A request accepted (admitted or queued) that ended before completing: counted
-        with what it got (the engine reports only requests that finish)."""
+        with what it got (the engine reports only requests that finish). A client that
+        disconnects (Serve cancels the replica's task: ``CancelledError`` in the handler,
+        or ``GeneratorExit`` when the stream is closed) is ``client_disconnect``."""
+        if cid is not None:
+            self._serve_delays.pop(cid, None)
         reason = (
             names.REASON_CLIENT_DISCONNECT
             if isinstance(e, (asyncio.CancelledError, GeneratorExit))
@@ -281,7 +321,9 @@ class CompletionHandler:
         )
         ttft = None if first is None else first - arrival
         try:
-            self.metrics().record_aborted(reason=reason, ttft_s=ttft, generated_tokens=tokens)
+            self.metrics().record_aborted(
+                reason=reason, ttft_s=ttft, generated_tokens=tokens, serve_delay_s=serve_delay_s
+            )
         except Exception:
             logger.exception("could not record the aborted request")
 
@@ -324,7 +366,7 @@ class CompletionHandler:
         except BaseException as e:
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 logger.info("request %s cancelled (client gone)", cid)
-            self._record_aborted(e, job.arrival, first, output.tokens)
+            self._record_aborted(e, job.arrival, job.serve_delay_s, first, output.tokens, job.cid)
             raise
         finally:
             ticket.release()
@@ -338,7 +380,8 @@ class _Job:
     prompt_ids: list[int]
     max_tokens: int  # req.max_tokens, or what the context leaves (chat without a limit)
     cid: str
-    arrival: float  # engine clock
+    arrival: float  # engine clock: the front door's stamp, else the replica's arrival
+    serve_delay_s: float  # from arrival to the replica's own arrival (Serve's proxy, router)
     stop_ids: frozenset[int]
 
 

@@ -19,6 +19,11 @@ Who uses them and why:
   (``ReplicaContext._deployment_config``, ``ray.serve._private.constants``): server.py;
 - the loopback switch of a driver that imported ray already
   (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``): serving/app/cluster.py.
+- Serve's proxy callback (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``, read by
+  ray/serve/_private/constants.py; the proxy calls the function it names once and wraps its
+  ASGI app in the Starlette middlewares returned: ray/serve/_private/http_util.py
+  ``configure_http_middlewares``): the proxy stamps each request's arrival
+  (serving/app/front_door.py), set for slotune's own cluster by serving/app/cluster.py;
 - the address a bare ``ray.init()`` would attach to (``ray._private.utils.read_ray_address``):
   tests/reliability/test_stale_cluster.py's control.
 
@@ -28,6 +33,7 @@ through its public REST API.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -120,3 +126,27 @@ def keep_loopback_flag() -> None:
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
+
+
+# The variable Serve's proxy reads, at its start, for the import path of a function that
+# returns Starlette middlewares to wrap its ASGI app in (ray/serve/_private/constants.py).
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+# slotune's callback, as that variable names it (ray/serve/_private/utils.py
+# ``call_function_from_import_path`` takes "module.function" or "module:function").
+PROXY_CALLBACK = "serving.app.ray_private:proxy_middlewares"
+
+
+def proxy_middlewares() -> list[Any]:
+    """The callback Serve's proxy calls: the middleware that stamps each request's arrival
+    at the proxy (serving.app.front_door.ArrivalStamp)."""
+    from starlette.middleware import Middleware
+
+    from serving.app.front_door import ArrivalStamp
+
+    return [Middleware(ArrivalStamp)]
+
+
+def proxy_stamps_arrival() -> bool:
+    """Whether this process's environment names slotune's proxy callback; Ray's processes
+    share the cluster's environment, so then the proxy stamps arrivals too."""
+    return os.environ.get(PROXY_CALLBACK_ENV) == PROXY_CALLBACK

@@ -100,6 +100,12 @@ class ServeMetrics:
         self.buckets = BucketLayout.for_slo(slo)
         self.ttft = m.Histogram(
             names.TTFT_SECONDS,
+            description="Time from arrival at Serve's HTTP proxy (else at the replica) to the "
+            "first token, seconds.",
+            boundaries=list(self.buckets.ttft),
+        )
+        self.replica_ttft = m.Histogram(
+            names.REPLICA_TTFT_SECONDS,
             description="Time from arrival at the replica to the first token, seconds.",
             boundaries=list(self.buckets.ttft),
         )
@@ -110,7 +116,8 @@ class ServeMetrics:
         )
         self.queue_wait = m.Histogram(
             names.QUEUE_WAIT_SECONDS,
-            description="Time from arrival at the replica to the start of prefill, seconds.",
+            description="Time from arrival at Serve's HTTP proxy (else at the replica) to the "
+            "start of prefill, seconds.",
             boundaries=list(self.buckets.queue_wait),
         )
         self.requests = m.Counter(
@@ -131,6 +138,11 @@ class ServeMetrics:
             description="Accepted requests (admitted or queued) that did not complete, by reason.",
             tag_keys=(names.LABEL_REASON,),
         )
+        self.arrival_clock = m.Counter(
+            names.ARRIVAL_CLOCK_TOTAL,
+            description="Completion requests by the clock their TTFT started on.",
+            tag_keys=(names.LABEL_CLOCK,),
+        )
         self.running = m.Gauge(names.RUNNING_REQUESTS, description="Requests in the batch.")
         self.waiting = m.Gauge(names.WAITING_REQUESTS, description="Requests queued.")
         self.kv_usage = m.Gauge(
@@ -141,13 +153,15 @@ class ServeMetrics:
     def set_slo(self, slo: Slo) -> None:
         self.slo = slo
 
-    def record_finish(self, timing: TimingLike) -> None:
-        """One completed request: latency histograms, slo_met counter, tokens."""
+    def record_finish(self, timing: TimingLike, *, serve_delay_s: float = 0.0) -> None:
+        """One completed request: latency histograms, slo_met counter, tokens.
+        ``serve_delay_s``: from the front door to the replica (``timing`` runs from the
+        front door), taken off for the replica-clock TTFT."""
         ttft = timing.ttft_s
         tpot = _tpot(timing)
         met = self.slo.met(ttft if _finite(ttft) else math.nan, tpot)  # type: ignore[arg-type]
         if _finite(ttft):
-            self.ttft.observe(max(ttft, 0.0))
+            self._observe_ttft(ttft, serve_delay_s)  # type: ignore[arg-type]
         if not math.isnan(tpot):
             self.tpot.observe(max(tpot, 0.0))
         if _finite(timing.queue_wait_s):
@@ -156,17 +170,34 @@ class ServeMetrics:
         if timing.generated_tokens > 0:
             self.tokens.inc(timing.generated_tokens)
 
-    def record_aborted(self, *, reason: str, ttft_s: float | None, generated_tokens: int) -> None:
+    def record_aborted(
+        self,
+        *,
+        reason: str,
+        ttft_s: float | None,
+        generated_tokens: int,
+        serve_delay_s: float = 0.0,
+    ) -> None:
         """An accepted request (admitted or queued) that ended early (``reason``: one of
         ``names.ABORTED_REASONS``): its first token, if it had one, counts in TTFT and its
         tokens in the token counter, so a window's latency and throughput do not leave out
         the requests clients gave up on; it is not a completed request (no ``slo_met``
         count, no goodput)."""
         if _finite(ttft_s):
-            self.ttft.observe(max(ttft_s, 0.0))  # type: ignore[arg-type]
+            self._observe_ttft(ttft_s, serve_delay_s)  # type: ignore[arg-type]
         if generated_tokens > 0:
             self.tokens.inc(generated_tokens)
         self.aborted.inc(1, tags={names.LABEL_REASON: reason})
+
+    def _observe_ttft(self, ttft_s: float, serve_delay_s: float) -> None:
+        self.ttft.observe(max(ttft_s, 0.0))
+        delay = serve_delay_s if _finite(serve_delay_s) else 0.0
+        self.replica_ttft.observe(max(ttft_s - delay, 0.0))
+
+    def record_arrival_clock(self, *, front_door: bool) -> None:
+        """One completion request, by where its TTFT clock started."""
+        clock = names.CLOCK_FRONT_DOOR if front_door else names.CLOCK_REPLICA
+        self.arrival_clock.inc(1, tags={names.LABEL_CLOCK: clock})
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.inc(1, tags={names.LABEL_REASON: reason})

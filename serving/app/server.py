@@ -100,6 +100,7 @@ class CompletionServer:
             args=self.args,
             admission=self.admission,
             metrics=lambda: self.metrics,
+            front_door=ray_private.proxy_stamps_arrival(),
         )
         self.engine.on_finish = self.completions.on_finish
         self.engine.start()

@@ -39,6 +39,23 @@ def test_the_private_names_it_uses_are_there() -> None:
     assert list(inspect.signature(utils.read_ray_address).parameters) == ["temp_dir"]
 
 
+def test_serves_proxy_callback_is_read_from_the_variable_it_names() -> None:
+    from ray.serve._private import constants, http_util
+
+    # constants reads the variable at import; http_util calls the function it names and
+    # appends the Starlette middlewares returned to the proxy's (configure_http_middlewares).
+    src = inspect.getsource(constants)
+    assert f'"{ray_private.PROXY_CALLBACK_ENV}"' in src
+    assert hasattr(constants, ray_private.PROXY_CALLBACK_ENV)
+    mw = inspect.getsource(http_util.configure_http_middlewares)
+    assert ray_private.PROXY_CALLBACK_ENV in mw and "middlewares.extend" in mw
+    assert "call_function_from_import_path" in mw
+    # Serve's own middlewares go first, the callback's wrap them (outermost: first to run).
+    apply = inspect.getsource(http_util._apply_middlewares)
+    assert "[Middleware(RequestIdMiddleware)] + middlewares" in apply
+    http_util.validate_http_proxy_callback_return(ray_private.proxy_middlewares())
+
+
 def test_current_cluster_address_reads_the_file_under_ray_tmpdir(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     assert ray_private.current_cluster_address() is None
