@@ -30,6 +30,7 @@ from controller.report.records import PredictedPoint
 
 if TYPE_CHECKING:
     from metrics.observation import Slo
+    from search.calibrate.served import ServedModel
     from search.roofline.curve import Roofline
     from search.roofline.hardware import HardwareSpec
     from search.roofline.models import ModelSpec
@@ -157,7 +158,11 @@ class SearchPlan:
     roofline: Roofline | None = None
     analysis: RooflineAnalysis | None = None
     predicted: tuple[PredictedPoint, ...] = ()  # the predicted curve, for the report
-    seed_batch: int | None = None  # the roofline's operating point (1 when none meets the SLO)
+    seed_batch: int | None = None  # the model's operating point (1 when none meets the SLO)
+    # The served-step model (search/calibrate/served.py) when this deployment's serving path
+    # was calibrated: it then gives the seed and the tuner's TPOT model; the roofline still
+    # bounds the box (a lower bound on any real step).
+    served: ServedModel | None = None
 
     def __post_init__(self) -> None:
         if not self.reason:
@@ -165,13 +170,34 @@ class SearchPlan:
         known = (self.roofline, self.analysis, self.seed_batch)
         if self.seeded and any(v is None for v in known):
             raise ValueError("seeded=True: needs the roofline, its analysis and seed_batch")
-        if not self.seeded and (any(v is not None for v in known) or self.predicted):
+        if not self.seeded and (
+            any(v is not None for v in known) or self.predicted or self.served is not None
+        ):
             raise ValueError("seeded=False: an unseeded plan carries no roofline prediction")
 
     @property
     def model_tpot_s(self) -> Callable[[int], float] | None:
-        """The roofline's step time by batch, for the tuner's guide (None: unseeded)."""
+        """The TPOT model the tuner's guide is given (None: unseeded): the served-step
+        model when calibrated, else the roofline's step time by batch."""
+        if self.served is not None:
+            return self.served.tpot_s
         return self.roofline.step_time_s if self.roofline is not None else None
+
+    @property
+    def model_curve(self) -> tuple[PredictedPoint, ...]:
+        """The TPOT the tuner's model predicts at every batch of the box, for the report's
+        predicted-vs-measured column (the roofline's curve when no served model)."""
+        if self.served is None:
+            return self.predicted
+        return tuple(
+            PredictedPoint(
+                batch=b,
+                tpot_s=self.served.tpot_s(b),
+                tokens_per_s=b / self.served.tpot_s(b),
+                bound="served",
+            )
+            for b in range(1, self.space.batch_max + 1)
+        )
 
 
 def plan_for(
@@ -184,11 +210,14 @@ def plan_for(
     max_batch: int = DEFAULT_MAX_BATCH,
     context: int,
     reason: str = "",
+    served: ServedModel | None = None,
 ) -> SearchPlan:
     """Plan the search of ``model`` served on ``tp`` x ``hardware`` at ``context`` tokens:
     the batch goes up to what both ``max_batch`` and the device memory hold, and the seeds
-    are the roofline's operating point and its neighbours. With no model or no hardware,
-    an unseeded plan over batch 1..``max_batch`` (``reason``, else a default, says why).
+    are the operating point and its neighbours: the ``served`` model's (the largest batch
+    whose predicted p99 TPOT meets the SLO) when given, else the roofline's. With no model
+    or no hardware, an unseeded plan over batch 1..``max_batch`` (``reason``, else a
+    default, says why).
 
     ValueError: a ``tp`` the model or device does not allow, or weights that do not fit
     (the message says which ``--tp`` would); NoFeasiblePoint: even batch 1 misses the TPOT
@@ -216,6 +245,9 @@ def plan_for(
         raise NoFeasiblePoint(f"the roofline rules out every batch: {e}") from None
     op = a.operating_point
     b = op.batch if op is not None else 1
+    if served is not None:
+        sb = served.largest_batch_within(slo.tpot_p99_s, max_batch=space.batch_max)
+        b = sb if sb is not None else 1
     seeds = [space.clip(Knobs(max_batch_size=b, max_concurrency=b))]
     for f in (0.5, 1.5):
         bb = max(1, round(b * f))
@@ -223,17 +255,22 @@ def plan_for(
         if k not in seeds:
             seeds.append(k)
     cal = ", calibrated" if roof.calibrated else ""
-    at = f"its operating point B={b}" if op is not None else "B=1 (no batch meets the TPOT SLO)"
+    met = op is not None if served is None else served.tpot_s(1) <= slo.tpot_p99_s
+    at = f"its operating point B={b}" if met else "B=1 (no batch meets the TPOT SLO)"
+    on = f"the roofline of {model.name} on {tp} x {hardware.name}{cal}, context {context}"
+    if served is not None:
+        roof_b = op.batch if op is not None else 1
+        on = f"the served-step model ({served.describe()}; the roofline's point: B={roof_b})"
     return SearchPlan(
         space=space,
         seeds=tuple(seeds),
         seeded=True,
-        reason=f"seeded at {at} on the roofline of {model.name} on {tp} x {hardware.name}"
-        f"{cal}, context {context}",
+        reason=f"seeded at {at} on {on}",
         roofline=roof,
         analysis=a,
         predicted=tuple(PredictedPoint.of(p) for p in a.curve),
         seed_batch=b,
+        served=served,
     )
 
 
@@ -263,10 +300,12 @@ def plan_search(
     price: float | None,
     max_slots: int,
     context: int,
+    served: ServedModel | None = None,
 ) -> SearchPlan:
     """Plan the search of the built-in ``model`` preset (``tiny``/``small``: slotune's own
     deployment, so the preset is what is served) on ``hardware`` at ``context`` tokens: the
-    batch goes up to what both ``max_slots`` and the device memory hold."""
+    batch goes up to what both ``max_slots`` and the device memory hold; seeded by the
+    ``served`` model when this serving path was calibrated."""
     from search.roofline.models import resolve_model
 
     return plan_for(
@@ -277,6 +316,7 @@ def plan_search(
         price=price,
         max_batch=max_slots,
         context=context,
+        served=served,
     )
 
 

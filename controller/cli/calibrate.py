@@ -1,7 +1,10 @@
 """``slotune calibrate``: measure this machine so the roofline can be drawn for it.
 
 It writes a hardware JSON (memory bandwidth, matmul peaks, decode-shape rates) that
-``slotune roofline --hardware local`` (or ``--hardware PATH``) reads.
+``slotune roofline --hardware local`` (or ``--hardware PATH``) reads. ``--served`` measures
+the serving path instead: slotune's own app in a local Ray Serve, through HTTP streaming and
+the load generator, at a few batch sizes (controller/tune_served.py), and caches the fitted
+served-step model that seeds ``slotune tune`` of that app.
 """
 
 from __future__ import annotations
@@ -41,9 +44,24 @@ def calibrate(
     ),
     price_per_hour: float = typer.Option(0.0, "--price-per-hour", help="USD per device-hour."),
     as_json: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
+    served: bool = typer.Option(
+        False,
+        "--served",
+        help="Measure the serving path (local Ray Serve app, HTTP streaming, the load "
+        "generator) at a few batches and cache the served-step model `slotune tune` seeds from.",
+    ),
+    prompt_tokens: str = typer.Option(
+        "16", "--prompt-tokens", help="--served: the workload's prompt lengths (tune's default)."
+    ),
+    output_tokens: str = typer.Option(
+        "8", "--output-tokens", help="--served: the workload's output lengths (tune's default)."
+    ),
 ) -> None:
     """Measure this device (memory bandwidth, matmul peaks, decode-shape throughput) and
     write a hardware JSON that `slotune roofline --hardware` reads."""
+    if served:
+        _served(model=model, prompt_tokens=prompt_tokens, output_tokens=output_tokens, out=out)
+        return
     flags.price("--price-per-hour", price_per_hour)
     flags.at_least("--threads", threads, 1)
     wanted = tuple(d.strip() for d in dtypes.split(",") if d.strip())
@@ -127,6 +145,80 @@ def calibrate(
         f"--model {m.name} --context 256 --slo-tpot-ms 50",
         highlight=False,
     )
+
+
+def _served(*, model: str, prompt_tokens: str, output_tokens: str, out: Path | None) -> None:
+    """``--served``: start a local Ray, deploy the built-in ``model`` (a roofline name of a
+    preset, e.g. slotune-small) as ``slotune tune`` does, measure and cache the served-step
+    model (or write it to ``out``)."""
+    from controller.attach import embedded_threads, shutdown_local
+    from controller.cli import tune_load
+    from controller.targets import RayServeTarget, RequestShape
+    from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS
+    from controller.tune_served import SERVED_WINDOW, measure_served, save_served, served_path
+    from controller.tune_setup import SetupFailed, prepare
+    from metrics.observation import DEFAULT_SLO
+
+    preset = {v: k for k, v in MODELS.items()}.get(model)
+    if preset is None:
+        known = ", ".join(MODELS.values())
+        raise BadInput(f"--model {model}: --served measures a built-in app: {known}")
+    shape = RequestShape(
+        prompt_tokens=tune_load.lengths("--prompt-tokens", prompt_tokens),
+        output_tokens=tune_load.lengths("--output-tokens", output_tokens),
+        ignore_eos=True,
+    )
+    tune_load.fits_context(shape, preset, prompt_tokens, output_tokens, None)
+    if out is not None:
+        output_file("--out", out)
+    threads = embedded_threads()
+    setup = None
+    try:
+        prepared = prepare(
+            address=None,
+            app_name=None,
+            deployment=None,
+            url=None,
+            metrics_url=None,
+            prometheus_url=None,
+            prefix=None,
+            slo=DEFAULT_SLO,
+            model=preset,
+            max_slots=DEFAULT_MAX_SLOTS[preset],
+            price=None,
+            shape=shape,
+            quiet=False,
+        )
+        setup = prepared.setup
+        target = RayServeTarget(
+            url=setup.url,
+            slo=DEFAULT_SLO,
+            reader=setup.reader,
+            actuator=setup.actuator,
+            plan=SERVED_WINDOW,
+            shape=shape,
+        )
+        fitted = measure_served(
+            target,
+            model=model,
+            device=setup.device,
+            threads=threads,
+            shape=shape,
+            say=lambda s: typer.echo(s, err=True),
+        )
+    except (SetupFailed, RuntimeError) as e:
+        typer.echo(f"slotune: error: {e}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        if setup is not None and setup.started_ray:
+            shutdown_local()
+    path = out or served_path(setup.device, threads, model)
+    try:
+        save_served(fitted, path)
+    except OSError as e:
+        raise file_error("--out", path, e) from None
+    typer.echo(fitted.describe())
+    typer.echo(f"wrote {path}")
 
 
 def register(app: typer.Typer) -> None:
