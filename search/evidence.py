@@ -1,14 +1,21 @@
-"""Pooling the windows of one knob: the SLO verdict on the union of their requests.
+"""Pooling the requests behind a knob's SLO verdicts, and judging them anytime-validly.
 
-A p99 verdict is a count test (:mod:`metrics.samples`): ``above`` of ``total``
-requests over the threshold, judged with one-sided Clopper-Pearson bounds. Two
-windows of the same knob are two samples of the same latency distribution, so
-the verdict on their union is the same test on the summed counts: exact samples
-concatenate, and histogram bucket increases add (the threshold is a bucket bound
-in the contract's ``slo_buckets``, else the count is bracketed and the verdict
-takes the side that cannot flatter it, as :func:`verdict_from_histogram` does).
-A window too short to call a p99 (INSUFFICIENT) thus lends its requests to the
+A window's p99 verdict is a count test (:mod:`metrics.samples`): ``above`` of ``total``
+requests over the threshold. Two windows of the same knob are two samples of the same
+latency distribution, so their requests pool: exact samples concatenate, and histogram
+bucket increases add (the threshold is a bucket bound in the contract's ``slo_buckets``,
+else the count is bracketed and each side of the verdict takes the end that cannot flatter
+it). A window that stopped before its verdict was decided thus lends its requests to the
 next window of the same knob instead of being wasted.
+
+:func:`judge` decides on the pooled counts with the e-processes of
+:mod:`metrics.sequential`, which stay valid however many times the growing evidence is read
+(after each look inside a window, after each window): the canary may stop a window as soon
+as it is decided and measure a knob again without inflating its error rates. Under the
+monotone model (at a fixed headroom, the fraction over the threshold does not fall as the
+load grows) it also borrows neighbouring knobs' requests, with a stated confidence.
+:func:`disagreement` tells windows that differ beyond sampling error: noise in the
+environment, never evidence about the knob.
 
 An :class:`~metrics.observation.SloVerdict` states its ``samples`` and the
 Clopper-Pearson bounds it computed from the counts, not the counts themselves;
@@ -17,23 +24,22 @@ monotone in its count) and checks the result, so this works for any Observation
 source (the simulator, Prometheus histograms, raw request samples). A verdict
 without bounds (a hand-built one) gives None, and the tuner then falls back to a
 majority vote of windows.
-
-Sequential looks at growing evidence raise the chance of a false MET above
-``1 - confidence`` (at most by the number of looks, here a few windows): the
-tuner bounds the windows a point gets (:mod:`search.remeasure`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from metrics.observation import SloVerdict, Verdict
-from metrics.samples import exceed_fraction_bounds, verdict_from_counts
+from metrics.samples import exceed_fraction_bounds
+from metrics.sequential import log_e_met, log_e_violated, requests_to_met
 
 # Relative tolerance when matching a recomputed Clopper-Pearson bound to the stored one.
 _MATCH_RTOL = 1e-9
+# Neighbouring knobs lend requests by bins of this load ratio (judge()).
+BORROW_BIN_RATIO = 1.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,22 +113,134 @@ def counts_of(verdict: SloVerdict | None) -> Counts | None:
     return Counts(total=n, above=above, above_at_most=at_most, confidence=conf)
 
 
-def pooled_verdict(
-    windows: Sequence[Counts], *, threshold_s: float, estimate_s: float, q: float
-) -> SloVerdict | None:
-    """The verdict on the union of the windows' requests (None: no windows, or windows
-    judged at different confidences, which do not pool)."""
-    if not windows or len({c.confidence for c in windows}) != 1:
-        return None
-    return verdict_from_counts(
+@dataclass(frozen=True, kw_only=True)
+class Judgement:
+    """One SLO's anytime-valid verdict on a knob's pooled requests (:mod:`metrics.sequential`),
+    with what it rests on: ``total``/``above``/``above_at_most`` of the knob's own windows,
+    the e-processes' logs, and ``borrowed`` requests lent by neighbouring knobs."""
+
+    verdict: Verdict
+    total: int
+    above: int
+    above_at_most: int
+    confidence: float
+    log_e_met: float
+    log_e_violated: float
+    borrowed: int = 0
+
+    @property
+    def log_threshold(self) -> float:
+        return -math.log1p(-self.confidence)
+
+    def requests_to_met(self, q: float) -> int | None:
+        """More requests of this knob alone, none over the threshold, that would make it
+        MET (0: it is; None: not within ten million)."""
+        return requests_to_met(self.total, self.above_at_most, q=q, confidence=self.confidence)
+
+
+def _sum(windows: Sequence[Counts]) -> tuple[int, int, int]:
+    return (
         sum(c.total for c in windows),
         sum(c.above for c in windows),
-        threshold_s,
-        estimate_s,
-        q=q,
-        confidence=windows[0].confidence,
-        above_at_most=sum(c.above_at_most for c in windows),
+        sum(c.above_at_most for c in windows),
     )
+
+
+def borrow_bin(own_load: int, other_load: int) -> int:
+    """Which bin of neighbours ``other_load`` falls in, seen from ``own_load``: 0 the same
+    load, ``j`` ≥ 1 heavier by a ratio in (1.25^(j-1), 1.25^j], ``-j`` lighter alike."""
+    if own_load < 1 or other_load < 1:
+        raise ValueError(f"loads {own_load}, {other_load}: must be >= 1")
+    if other_load == own_load:
+        return 0
+    ratio = max(own_load, other_load) / min(own_load, other_load)
+    j = max(1, math.ceil(math.log(ratio) / math.log(BORROW_BIN_RATIO) - 1e-12))
+    return j if other_load > own_load else -j
+
+
+def borrow_weight(j: int) -> float:
+    """The prior weight of neighbour bin ``j`` in a monotone verdict: ½·(6/π²)/j², so that
+    the bins on one side sum to ½ and the knob's own requests keep the other half."""
+    return 0.5 * 6 / math.pi**2 / j**2
+
+
+def judge(
+    own: Sequence[Counts],
+    *,
+    q: float,
+    neighbours: Mapping[int, Sequence[Counts]] | None = None,
+) -> Judgement | None:
+    """The anytime-valid verdict on ``own`` windows pooled, borrowing from ``neighbours``
+    (keyed by :func:`borrow_bin`) under a monotone model (None: no windows, or windows
+    judged at different confidences, which do not pool).
+
+    The model: at a fixed headroom the fraction of requests over the threshold does not
+    fall as the load grows. Then a heavier knob's requests are evidence for MET of this
+    one (if this one were over the quantile, so would the heavier be) and a lighter
+    knob's for VIOLATED. Each side mixes, with fixed weights (:func:`borrow_weight`),
+    the e-process on the knob's own requests and on its own plus each bin's: a mixture of
+    e-processes with fixed weights is one, so the verdict keeps its stated confidence
+    (given the model); a bin not measured yet contributes the knob's own e-process."""
+    near = dict(neighbours or {})
+    every = [*own, *(c for cs in near.values() for c in cs)]
+    if not own or len({c.confidence for c in every}) != 1:
+        return None
+    conf = own[0].confidence
+    n, k, k_hi = _sum(own)
+
+    def side(sign: int, log_e: Callable[[int, int], float], pick: int) -> tuple[float, int]:
+        # pick: 1 for the exceedance count judged (above), 2 for above_at_most
+        base = log_e(n, k_hi if pick == 2 else k)
+        terms, rest, lent = [], 1.0, 0
+        for j, cs in near.items():
+            if j * sign <= 0 or not cs:
+                continue
+            tot = _sum(cs)
+            w = borrow_weight(abs(j))
+            rest -= w
+            lent += tot[0]
+            terms.append(math.log(w) + log_e(n + tot[0], (k_hi if pick == 2 else k) + tot[pick]))
+        terms.append(math.log(rest) + base)
+        top = max(terms)
+        if top == -math.inf:
+            return top, lent
+        return top + math.log(sum(math.exp(t - top) for t in terms)), lent
+
+    e_met, lent_met = side(+1, lambda t, a: log_e_met(t, a, q=q), 2)
+    e_vio, lent_vio = side(-1, lambda t, a: log_e_violated(t, a, q=q), 1)
+    thr = -math.log1p(-conf)
+    if e_met >= thr:
+        verdict, lent = Verdict.MET, lent_met
+    elif e_vio >= thr:
+        verdict, lent = Verdict.VIOLATED, lent_vio
+    else:
+        verdict, lent = Verdict.INSUFFICIENT, 0
+    return Judgement(
+        verdict=verdict,
+        total=n,
+        above=k,
+        above_at_most=k_hi,
+        confidence=conf,
+        log_e_met=e_met,
+        log_e_violated=e_vio,
+        borrowed=lent,
+    )
+
+
+def disagreement(windows: Sequence[Counts]) -> float:
+    """The p-value of "these windows share one fraction over the threshold" (1.0: fewer
+    than two windows with requests, or none over it): Fisher's exact test for two windows,
+    a G-test of homogeneity for more. Small values mean the windows differ beyond sampling
+    error: the environment changed between them."""
+    rows = [(c.above, c.total - c.above) for c in windows if c.total > 0]
+    if len(rows) < 2 or sum(a for a, _ in rows) == 0:
+        return 1.0
+    from scipy import stats
+
+    if len(rows) == 2:
+        return float(stats.fisher_exact(rows).pvalue)
+    table = [[a for a, _ in rows], [b for _, b in rows]]
+    return float(stats.chi2_contingency(table, lambda_="log-likelihood").pvalue)
 
 
 def combine(ttft: Verdict | None, tpot: Verdict | None) -> Verdict | None:

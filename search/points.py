@@ -2,22 +2,26 @@
 
 :func:`observation_attrs` is what a trial stores of its Observation (Optuna user
 attributes, so a resumed study knows it too), including the request counts behind
-each SLO verdict (:func:`search.evidence.counts_of`). :func:`summarize` turns every
-window of one knob into a :class:`~search.stop_rule.PointSummary`: goodput over the
-pooled windows, worst p99s, and both SLO verdicts on the union of the fresh windows'
-requests (:mod:`search.evidence`). Stale windows lend no requests. A study written
-before the counts were stored (or an Observation whose verdicts state no bounds)
-falls back to a majority vote of windows. Pure: no I/O.
+each SLO verdict (:func:`search.evidence.counts_of`). :func:`summarize_all` turns every
+window of every knob into one :class:`~search.stop_rule.PointSummary` per knob: goodput
+over its pooled windows, worst p99s, and both SLOs judged anytime-validly on the union of
+its fresh windows' requests plus what its neighbours lend under the monotone model
+(:func:`search.evidence.judge`). Stale windows lend no requests. Windows of one knob that
+disagree beyond sampling error, or a knob violating TPOT below a batch that met it, are
+noise: the knob is reported noisy and left undecided rather than VIOLATED. A study written
+before the counts were stored (or an Observation whose verdicts state no bounds) falls
+back to a majority vote of windows. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from metrics.observation import Observation, Slo, SloVerdict, Verdict
-from search.evidence import Counts, combine, counts_of, pooled_verdict
+from search.evidence import Counts, Judgement, borrow_bin, combine, counts_of, disagreement, judge
 from search.space import Knobs
 from search.stop_rule import PointSummary
 
@@ -66,19 +70,126 @@ def observation_attrs(obs: Observation) -> dict[str, Any]:
     }
 
 
-def _pooled(
-    windows: Sequence[Attrs], key: str, *, threshold_s: float, estimate_s: float, q: float
-) -> Verdict | None:
-    """One SLO's verdict on the union of the fresh windows' requests (None: some window's
-    counts are unknown)."""
+# Windows of one knob whose fractions over a threshold differ with a p-value below this
+# (search.evidence.disagreement) are called noisy: the environment changed between them.
+NOISE_P = 1e-3
+
+Window = tuple[Attrs, float, int]  # stored attributes, objective value, trial number
+
+
+def _fresh(windows: Sequence[Attrs], key: str) -> list[Counts] | None:
+    """The counts of ``key``'s verdict in each fresh window (None: some window's counts
+    are unknown; stale windows lend no requests)."""
     counts = [Counts.from_list(a.get(f"{key}_counts")) for a in windows]
     if any(c is None or "stale" not in a for a, c in zip(windows, counts, strict=True)):
         return None
-    fresh = [c for a, c in zip(windows, counts, strict=True) if c is not None and not a["stale"]]
-    if not fresh:  # only stale windows: no evidence either way
-        return Verdict.INSUFFICIENT
-    v = pooled_verdict(fresh, threshold_s=threshold_s, estimate_s=estimate_s, q=q)
-    return v.verdict if v is not None else None
+    return [c for a, c in zip(windows, counts, strict=True) if c is not None and not a["stale"]]
+
+
+def _load(knobs: Knobs, key: str) -> int | None:
+    """Where ``knobs`` sits in the monotone order of ``key``'s SLO (None: outside it).
+
+    Under a saturating load the running batch is the batch limit, and TPOT grows with it
+    whatever the admission limit. TTFT grows with the batch only without a queue (with one,
+    a larger batch also drains the queue faster): only ``C == B`` knobs are ordered."""
+    if key == "tpot":
+        return knobs.max_batch_size
+    return knobs.max_concurrency if knobs.max_concurrency == knobs.max_batch_size else None
+
+
+def _judge_one(
+    knobs: Knobs, key: str, own: list[Counts], others: Mapping[Knobs, list[Counts]], q: float
+) -> Judgement | None:
+    here = _load(knobs, key)
+    bins: dict[int, list[Counts]] = {}
+    if here is not None:
+        for k, cs in others.items():
+            there = _load(k, key)
+            if k != knobs and there is not None and there != here:
+                bins.setdefault(borrow_bin(here, there), []).extend(cs)
+    if not own:  # only stale windows: no evidence of its own, none to borrow into
+        return None
+    return judge(own, q=q, neighbours=bins)
+
+
+def _noise(knobs: Knobs, windows: Sequence[Attrs], counts: Mapping[str, list[Counts]]) -> str:
+    """Why ``knobs``'s windows look noisy, with the figures ("" when they agree)."""
+    notes = []
+    for key, cs in counts.items():
+        pval = disagreement(cs)
+        if pval < NOISE_P:
+            p99s = "/".join(
+                f"{1e3 * v:.0f}" if isinstance(v := a.get(f"{key}_p99_s"), (int, float)) else "?"
+                for a in windows
+            )
+            over = ", ".join(f"{c.above}/{c.total}" for c in cs)
+            notes.append(
+                f"{key.upper()} windows of {knobs} disagree beyond sampling error: p99 {p99s} ms,"
+                f" over the SLO {over} requests (p={pval:.1g})"
+            )
+    return "; ".join(notes)
+
+
+def summarize_all(groups: Mapping[Knobs, Sequence[Window]], *, slo: Slo) -> list[PointSummary]:
+    """One :class:`PointSummary` per knob of ``groups`` (its windows), each SLO judged on
+    its own windows' requests and its neighbours' under the monotone model
+    (:func:`search.evidence.judge`); see :func:`summarize`."""
+    fresh: dict[str, dict[Knobs, list[Counts]]] = {"ttft": {}, "tpot": {}}
+    known = True
+    for k, ws in groups.items():
+        for key in fresh:
+            cs = _fresh([a for a, _, _ in ws], key)
+            if cs is None:
+                known = False
+            else:
+                fresh[key][k] = cs
+    out = []
+    for k, ws in groups.items():
+        judged: dict[str, Judgement | None] | None = None
+        if known:
+            judged = {
+                key: _judge_one(k, key, fresh[key][k], fresh[key], slo.quantile) for key in fresh
+            }
+        out.append(
+            summarize(
+                k,
+                [a for a, _, _ in ws],
+                values=[v for _, v, _ in ws],
+                numbers=[n for _, _, n in ws],
+                slo=slo,
+                judged=judged,
+                noise=_noise(k, [a for a, _, _ in ws], {key: fresh[key][k] for key in fresh})
+                if known
+                else "",
+            )
+        )
+    return _contradictions(out)
+
+
+def _contradictions(points: list[PointSummary]) -> list[PointSummary]:
+    """A knob VIOLATED on TPOT while a larger batch MET it contradicts the monotone model:
+    noise, not evidence. Its VIOLATED becomes undecided and says why."""
+    out = []
+    for p in points:
+        tpot_violated = p.tpot is not None and p.tpot.verdict is Verdict.VIOLATED
+        if p.pooled is Verdict.VIOLATED and tpot_violated:
+            heavier = [
+                q.knobs
+                for q in points
+                if q.knobs.max_batch_size > p.knobs.max_batch_size and q.tpot_ok
+            ]
+            if heavier:
+                why = (
+                    f"{p.knobs} violated TPOT while {min(heavier, key=lambda k: k.max_batch_size)}"
+                    " met it: against the monotone model, the environment was noisy"
+                )
+                p = replace(
+                    p,
+                    pooled=Verdict.INSUFFICIENT,
+                    noise="; ".join(x for x in (p.noise, why) if x),
+                )
+        out.append(p)
+    return out
 
 
 def summarize(
@@ -88,9 +199,14 @@ def summarize(
     values: Sequence[float],
     numbers: Sequence[int],
     slo: Slo,
+    judged: Mapping[str, Judgement | None] | None = None,
+    noise: str = "",
 ) -> PointSummary:
     """Every window of ``knobs`` (stored attributes, objective values, trial numbers) as
-    one :class:`PointSummary` (see the module doc)."""
+    one :class:`PointSummary` (see the module doc). ``judged``: each SLO's verdict as
+    :func:`summarize_all` judged it with the neighbours' requests (None: on this knob's
+    windows alone); ``noise``: why its windows look noisy. A noisy knob is never VIOLATED
+    on its pooled verdict: it stays undecided, to be measured again."""
     if not windows or not len(windows) == len(values) == len(numbers):
         raise ValueError(
             f"{len(windows)} windows, {len(values)} values, {len(numbers)} trial numbers:"
@@ -103,10 +219,26 @@ def summarize(
         return math.nan if any(v is None for v in vals) else max(vals)
 
     ttft_p99, tpot_p99 = worst("ttft_p99_s"), worst("tpot_p99_s")
-    q = slo.quantile
-    ttft_v = _pooled(windows, "ttft", threshold_s=slo.ttft_p99_s, estimate_s=ttft_p99, q=q)
-    tpot_v = _pooled(windows, "tpot", threshold_s=slo.tpot_p99_s, estimate_s=tpot_p99, q=q)
+    if judged is None:
+        judged = {}
+        for key in ("ttft", "tpot"):
+            cs = _fresh(windows, key)
+            judged[key] = None if cs is None else judge(cs, q=slo.quantile) if cs else None
+            if cs is None:
+                judged = None
+                break
+    if judged is not None and all(judged.get(k) is None for k in ("ttft", "tpot")):
+        # only stale windows: no evidence either way
+        ttft_v = tpot_v = Verdict.INSUFFICIENT
+    elif judged is not None:
+        ttft_j, tpot_j = judged.get("ttft"), judged.get("tpot")
+        ttft_v = ttft_j.verdict if ttft_j is not None else Verdict.INSUFFICIENT
+        tpot_v = tpot_j.verdict if tpot_j is not None else Verdict.INSUFFICIENT
+    else:
+        ttft_v = tpot_v = None
     pooled = combine(ttft_v, tpot_v)
+    if noise and pooled is Verdict.VIOLATED:
+        pooled = Verdict.INSUFFICIENT
     # Goodput of the pooled windows: their SLO-meeting requests over their total time.
     spans = [a.get("window_s") for a in windows]
     if all(isinstance(w, (int, float)) and w > 0 for w in spans):
@@ -133,4 +265,7 @@ def summarize(
         first_trial=min(numbers),
         last_trial=max(numbers),
         pooled=pooled,
+        ttft=None if judged is None else judged.get("ttft"),
+        tpot=None if judged is None else judged.get("tpot"),
+        noise=noise,
     )

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metrics.observation import Verdict
+from search.evidence import Judgement
 from search.space import Knobs
 
 
@@ -50,6 +51,11 @@ class PointSummary:
     # either is, MET if both are, else INSUFFICIENT; None when some window's counts are
     # unknown (the majority of windows decides then).
     pooled: Verdict | None = None
+    # Each SLO's anytime-valid judgement (search.evidence.judge; None: counts unknown) and
+    # why the knob's windows look noisy ("" when they agree).
+    ttft: Judgement | None = None
+    tpot: Judgement | None = None
+    noise: str = ""
 
     def __post_init__(self) -> None:
         if self.met_windows is None:

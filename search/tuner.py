@@ -32,7 +32,7 @@ from optuna.trial import TrialState
 from metrics.observation import Observation, Slo
 from search.guide import Guide
 from search.objective import evaluate
-from search.points import observation_attrs, summarize
+from search.points import observation_attrs, summarize_all
 from search.proposals import next_fixed
 from search.space import Knobs, SearchSpace
 from search.stager import Stager
@@ -195,16 +195,10 @@ class Tuner:
         groups: dict[Knobs, list[optuna.trial.FrozenTrial]] = {}
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             groups.setdefault(self._knobs_of(t), []).append(t)
-        return [
-            summarize(
-                k,
-                [t.user_attrs for t in ts],
-                values=[t.value or 0.0 for t in ts],
-                numbers=[t.number for t in ts],
-                slo=self.slo,
-            )
-            for k, ts in groups.items()
-        ]
+        windows = {
+            k: [(t.user_attrs, t.value or 0.0, t.number) for t in ts] for k, ts in groups.items()
+        }
+        return summarize_all(windows, slo=self.slo)
 
     def _finished(self) -> list[optuna.trial.FrozenTrial]:
         return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))

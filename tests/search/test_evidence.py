@@ -13,7 +13,16 @@ import pytest
 from metrics.build import observation_from_histograms, observation_from_requests
 from metrics.observation import Slo, SloVerdict, Verdict
 from metrics.samples import verdict_from_histogram, verdict_from_samples
-from search.evidence import Counts, combine, counts_of, pooled_verdict
+from metrics.sequential import sequential_verdict
+from search.evidence import (
+    Counts,
+    borrow_bin,
+    borrow_weight,
+    combine,
+    counts_of,
+    disagreement,
+    judge,
+)
 from search.space import Knobs, SearchSpace
 from search.tuner import Tuner
 
@@ -53,41 +62,98 @@ def test_a_verdict_without_bounds_has_no_counts() -> None:
     assert counts_of(replace(v, exceed_fraction_lower=0.0123, exceed_fraction_upper=0.2)) is None
 
 
-def test_pooled_verdict_is_the_verdict_on_the_concatenated_samples() -> None:
+def test_judge_is_the_anytime_verdict_on_the_concatenated_samples() -> None:
     rng = np.random.default_rng(1)
     thr = 0.05
     windows = [rng.lognormal(np.log(0.03), 0.1, n) for n in (180, 150, 400)]  # [n] each
     counts = [counts_of(verdict_from_samples(w, thr)) for w in windows]
     assert all(c is not None for c in counts)
-    # 180 and 150 requests cannot prove a p99 alone; together they can.
-    assert verdict_from_samples(windows[0], thr).verdict is Verdict.INSUFFICIENT
-    assert verdict_from_samples(windows[1], thr).verdict is Verdict.INSUFFICIENT
-    for k in (2, 3):
-        got = pooled_verdict(counts[:k], threshold_s=thr, estimate_s=0.04, q=0.99)
-        want = verdict_from_samples(np.concatenate(windows[:k]), thr)
+    for k in (1, 2, 3):
+        got = judge(counts[:k], q=0.99)
+        x = np.concatenate(windows[:k])
+        want = sequential_verdict(x.size, int((x > thr).sum()))
         assert got is not None
-        assert (got.verdict, got.samples) == (want.verdict, want.samples)
-        assert got.exceed_fraction_upper == pytest.approx(want.exceed_fraction_upper)
-        assert want.verdict is Verdict.MET
+        assert (got.verdict, got.total, got.above) == (want.verdict, want.total, want.above)
+        assert got.log_e_met == pytest.approx(want.log_e_met)
+    # 180 and 150 requests cannot prove a p99 alone, nor together; with the third they do.
+    assert judge(counts[:2], q=0.99).verdict is Verdict.INSUFFICIENT
+    assert judge(counts, q=0.99).verdict is Verdict.MET
     # One slow request in the last window: the union's counts carry it.
     windows[2][0] = 2 * thr
     c = counts_of(verdict_from_samples(windows[2], thr))
-    got = pooled_verdict([*counts[:2], c], threshold_s=thr, estimate_s=0.04, q=0.99)
-    assert got.exceed_fraction_lower > 0
-    assert got == replace(verdict_from_samples(np.concatenate(windows), thr), estimate_s=0.04)
+    assert judge([*counts[:2], c], q=0.99).above == 1
 
 
-def test_pooled_histograms_are_the_verdict_on_the_summed_buckets() -> None:
-    a = {0.05: 140.0, 0.1: 150.0, math.inf: 150.0}
+def test_judged_histograms_take_the_unflattering_end_of_a_bracket() -> None:
+    a = {0.05: 340.0, 0.1: 350.0, math.inf: 350.0}
     b = {0.05: 198.0, 0.1: 200.0, math.inf: 200.0}
-    both = {k: a[k] + b[k] for k in a}
-    ca, cb = (counts_of(verdict_from_histogram(h, 0.05, 0.05)) for h in (a, b))
-    got = pooled_verdict([ca, cb], threshold_s=0.05, estimate_s=0.05, q=0.99)
-    want = verdict_from_histogram(both, 0.05, 0.05)
-    assert (got.verdict, got.samples) == (want.verdict, want.samples)
-    assert pooled_verdict([], threshold_s=0.05, estimate_s=0.05, q=0.99) is None
-    other = replace(ca, confidence=0.9)
-    assert pooled_verdict([ca, other], threshold_s=0.05, estimate_s=0.05, q=0.99) is None
+    ca, cb = (counts_of(verdict_from_histogram(h, 0.07, 0.05)) for h in (a, b))  # bracketed
+    got = judge([ca, cb], q=0.99)
+    assert (got.total, got.above, got.above_at_most) == (550, 0, 12)
+    assert got.verdict is Verdict.INSUFFICIENT  # 12 may be over the threshold
+    assert judge([], q=0.99) is None
+    assert judge([ca, replace(ca, confidence=0.9)], q=0.99) is None
+
+
+def _clean(n: int) -> Counts:
+    return Counts(total=n, above=0, above_at_most=0, confidence=0.95)
+
+
+def test_a_heavier_neighbour_lends_evidence_of_met_a_lighter_one_does_not() -> None:
+    own = [_clean(200)]
+    assert judge(own, q=0.99).verdict is Verdict.INSUFFICIENT
+    assert judge(own, q=0.99, neighbours={1: [_clean(400)]}).verdict is Verdict.MET
+    assert judge(own, q=0.99, neighbours={1: [_clean(400)]}).borrowed == 400
+    assert judge(own, q=0.99, neighbours={-1: [_clean(400)]}).verdict is Verdict.INSUFFICIENT
+    # a far neighbour weighs less than a near one
+    near = judge(own, q=0.99, neighbours={1: [_clean(300)]}).log_e_met
+    far = judge(own, q=0.99, neighbours={4: [_clean(300)]}).log_e_met
+    assert near > far > judge(own, q=0.99).log_e_met
+    # a lighter knob far over the threshold is evidence of VIOLATED, a heavier one is not
+    bad = [Counts(total=40, above=20, above_at_most=20, confidence=0.95)]
+    few = [Counts(total=10, above=1, above_at_most=1, confidence=0.95)]
+    assert judge(few, q=0.99).verdict is Verdict.INSUFFICIENT
+    assert judge(few, q=0.99, neighbours={-1: bad}).verdict is Verdict.VIOLATED
+    assert judge(few, q=0.99, neighbours={1: bad}).verdict is Verdict.INSUFFICIENT
+
+
+def test_borrowing_keeps_the_error_rate_at_the_boundary() -> None:
+    # Both knobs exactly at the quantile (the monotone model holds with equality): judged
+    # after every window of 50 requests, MET must come out at most ~alpha of the time.
+    rng = np.random.default_rng(3)
+    runs, wrong = 300, 0
+    for _ in range(runs):
+        own: list[Counts] = []
+        heavier: list[Counts] = []
+        for _ in range(20):
+            for side in (own, heavier):
+                k = int((rng.random(50) < 0.01).sum())
+                side.append(Counts(total=50, above=k, above_at_most=k, confidence=0.95))
+            if judge(own, q=0.99, neighbours={1: heavier}).verdict is Verdict.MET:
+                wrong += 1
+                break
+    assert wrong / runs <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / runs)
+
+
+def test_borrow_bins_and_weights() -> None:
+    assert borrow_bin(10, 10) == 0
+    assert borrow_bin(10, 12) == 1 and borrow_bin(10, 13) == 2 and borrow_bin(12, 10) == -1
+    assert borrow_weight(1) > borrow_weight(2)
+    assert sum(borrow_weight(j) for j in range(1, 100_000)) == pytest.approx(0.5, abs=1e-5)
+    with pytest.raises(ValueError, match="loads 0, 3"):
+        borrow_bin(0, 3)
+
+
+def test_disagreement_tells_noise_from_sampling() -> None:
+    def c(n: int, k: int) -> Counts:
+        return Counts(total=n, above=k, above_at_most=k, confidence=0.95)
+
+    assert disagreement([c(300, 0), c(300, 0)]) == 1.0
+    assert disagreement([c(300, 1)]) == 1.0
+    assert disagreement([c(300, 2), c(280, 3), c(310, 1)]) > 0.1
+    # the B=10: one window far over the others
+    assert disagreement([c(300, 0), c(280, 14), c(310, 1)]) < 1e-3
+    assert disagreement([c(300, 0), c(280, 14)]) < 1e-3
 
 
 def test_counts_validate() -> None:

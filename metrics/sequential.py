@@ -1,0 +1,163 @@
+"""Anytime-valid p99 verdicts: a verdict that may be read after every request.
+
+"p99 ≤ T" is a claim about the fraction ``p`` of requests slower than T (:mod:`metrics.samples`):
+it holds when ``p ≤ p0 = 1 - q``. A fixed-sample test (Clopper-Pearson at n requests) is valid
+only if it is read once. A canary that stops a window as soon as its verdict looks decided, or
+pools a second window with the first, reads it many times, and every read is another chance of
+a false verdict.
+
+This module uses two e-processes on the exceedance counts instead, one per side, each a mixture
+of likelihood ratios (Wald's sequential probability ratio test, mixed over alternatives):
+
+- MET rejects H0 ``p ≥ p0`` with
+  ``E_met(n, k) = Σ_j w_j · r_j^k · ((1 - r_j p0)/(1 - p0))^(n-k)``
+  over alternatives ``r_j ∈ {0, 0.1, 0.25, 0.5}`` (weights 0.4, 0.3, 0.2, 0.1);
+- VIOLATED rejects H0 ``p ≤ p0`` with the same form over ``r_j ∈ {1.5, 2, 4, 10, 30}``
+  (equal weights; alternatives at or above a fraction of 1 are dropped).
+
+For every ``p`` in its null, each likelihood-ratio factor has conditional mean ≤ 1 (it equals 1
+at ``p = p0`` and falls with the distance from it), so each mixture is a nonnegative
+supermartingale under the whole composite null, and by Ville's inequality
+``P(sup_n E_n ≥ 1/α) ≤ α``: the verdict stays valid however often it is read and whenever the
+reading stops (Ramdas, Grünwald, Vovk, Shafer, "Game-theoretic statistics and safe anytime-valid
+inference", Statistical Science 38(4), 2023, §2-3; Wald, "Sequential tests of statistical
+hypotheses", Ann. Math. Statist. 16, 1945). The price against a single fixed-n read: with no
+request over T, MET needs ~370 requests at 95% instead of 299; a clear violation (a third of
+requests over T) is called after ~10.
+
+The counts may come from several windows and, under a monotone model, from neighbouring knobs
+(:mod:`search.evidence`): the product stays a supermartingale as long as every request added is
+drawn with an exceedance probability on the null's side, whatever decided which knob to measure.
+
+A histogram whose bounds bracket T gives a range of exceedances: MET is judged on its upper
+end, VIOLATED on its lower end, so that neither rounds in its own favour.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from metrics.observation import Verdict
+
+# (ratio to p0, weight): the alternatives each e-process is mixed over.
+MET_MIXTURE: tuple[tuple[float, float], ...] = ((0.0, 0.4), (0.1, 0.3), (0.25, 0.2), (0.5, 0.1))
+VIOLATED_MIXTURE: tuple[tuple[float, float], ...] = tuple((r, 0.2) for r in (1.5, 2, 4, 10, 30))
+# Where "what would decide it" stops looking.
+_MAX_REQUESTS = 10_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequentialVerdict:
+    """One SLO's anytime-valid verdict on ``total`` requests: ``log_e_met`` and
+    ``log_e_violated`` are the e-processes' logs, ``log_threshold`` is ln(1/α)."""
+
+    verdict: Verdict
+    total: int
+    above: int
+    above_at_most: int
+    log_e_met: float
+    log_e_violated: float
+    log_threshold: float
+
+    @property
+    def decided(self) -> bool:
+        return self.verdict is not Verdict.INSUFFICIENT
+
+
+def _check(total: int, above: int, above_at_most: int, q: float, confidence: float) -> None:
+    if not 0 < q < 1:
+        raise ValueError(f"q={q!r}: must be in (0, 1)")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r}: must be in (0, 1)")
+    if not 0 <= above <= above_at_most <= total:
+        raise ValueError(
+            f"counts above={above}, above_at_most={above_at_most}, total={total}:"
+            " need 0 <= above <= above_at_most <= total"
+        )
+
+
+def _log_mixture(
+    total: int, above: int, p0: float, mixture: tuple[tuple[float, float], ...]
+) -> float:
+    terms: list[float] = []
+    for ratio, weight in mixture:
+        p = ratio * p0
+        if not 0 <= p < 1:
+            continue
+        if p == 0:
+            if above > 0:
+                continue
+            terms.append(math.log(weight) + total * -math.log1p(-p0))
+            continue
+        ll = above * math.log(ratio) + (total - above) * (math.log1p(-p) - math.log1p(-p0))
+        terms.append(math.log(weight) + ll)
+    if not terms:
+        return -math.inf
+    top = max(terms)
+    kept = sum(w for r, w in mixture if 0 <= r * p0 < 1)
+    return top + math.log(sum(math.exp(t - top) for t in terms)) - math.log(kept)
+
+
+def log_e_met(total: int, above_at_most: int, *, q: float = 0.99) -> float:
+    """ln E_met: evidence against "the q-quantile is over the threshold"."""
+    return _log_mixture(total, above_at_most, 1 - q, MET_MIXTURE)
+
+
+def log_e_violated(total: int, above: int, *, q: float = 0.99) -> float:
+    """ln E_violated: evidence against "the q-quantile is within the threshold"."""
+    return _log_mixture(total, above, 1 - q, VIOLATED_MIXTURE)
+
+
+def sequential_verdict(
+    total: int,
+    above: int,
+    *,
+    q: float = 0.99,
+    confidence: float = 0.95,
+    above_at_most: int | None = None,
+) -> SequentialVerdict:
+    """The anytime-valid verdict on "q-quantile ≤ threshold" from ``above`` (to
+    ``above_at_most``) of ``total`` requests over it (see the module doc)."""
+    hi = above if above_at_most is None else above_at_most
+    _check(total, above, hi, q, confidence)
+    thr = -math.log1p(-confidence)
+    e_met = log_e_met(total, hi, q=q)
+    e_vio = log_e_violated(total, above, q=q)
+    if e_met >= thr:
+        v = Verdict.MET
+    elif e_vio >= thr:
+        v = Verdict.VIOLATED
+    else:
+        v = Verdict.INSUFFICIENT
+    return SequentialVerdict(
+        verdict=v,
+        total=total,
+        above=above,
+        above_at_most=hi,
+        log_e_met=e_met,
+        log_e_violated=e_vio,
+        log_threshold=thr,
+    )
+
+
+def requests_to_met(
+    total: int, above_at_most: int, *, q: float = 0.99, confidence: float = 0.95
+) -> int | None:
+    """How many more requests, none of them over the threshold, would make the verdict MET
+    (0: it is already; None: not within ten million)."""
+    thr = -math.log1p(-confidence)
+    if log_e_met(total, above_at_most, q=q) >= thr:
+        return 0
+    lo, hi = 0, 1
+    while log_e_met(total + hi, above_at_most, q=q) < thr:
+        lo, hi = hi, hi * 2
+        if hi > _MAX_REQUESTS:
+            return None
+    while hi - lo > 1:  # E_met grows with every request under the threshold
+        mid = (lo + hi) // 2
+        if log_e_met(total + mid, above_at_most, q=q) >= thr:
+            hi = mid
+        else:
+            lo = mid
+    return hi
