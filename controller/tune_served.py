@@ -165,8 +165,11 @@ def served_for(
     say = None if quiet else (lambda s: print(s, file=sys.stderr))
     if say is not None:
         say(f"slotune: calibrating the serving path at B={list(SERVED_BATCHES)}, once; {path}")
+    from search.calibrate import device as calib
+
+    label = calib.device_label(calib.pick_device(device))
     served = measure_served(
-        target, model=model, device=device, threads=threads, shape=shape, say=say
+        target, model=model, device=label, threads=threads, shape=shape, say=say
     )
     save_served(served, path)
     return served, f"served calibration measured now ({served.elapsed_s:.0f} s), {path}"

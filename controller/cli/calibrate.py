@@ -147,6 +147,12 @@ def calibrate(
     )
 
 
+def calib_label(device: str) -> str:
+    from search.calibrate import device as calib
+
+    return calib.device_label(calib.pick_device(device))
+
+
 def _served(*, model: str, prompt_tokens: str, output_tokens: str, out: Path | None) -> None:
     """``--served``: start a local Ray, deploy the built-in ``model`` (a roofline name of a
     preset, e.g. slotune-small) as ``slotune tune`` does, measure and cache the served-step
@@ -201,7 +207,7 @@ def _served(*, model: str, prompt_tokens: str, output_tokens: str, out: Path | N
         fitted = measure_served(
             target,
             model=model,
-            device=setup.device,
+            device=calib_label(setup.device),
             threads=threads,
             shape=shape,
             say=lambda s: typer.echo(s, err=True),

@@ -5,6 +5,11 @@ the roofline seeds the tuner, the simulator (serving/sim/simulator.py, the engin
 scheduler on a virtual clock) measures each trial, and the command prints the
 measured curve, the chosen point and why the search stopped. Exit code 3 when
 no point met the SLO (a canary gate), 2 on bad input.
+
+``--scenario local`` is this deployment as ``slotune tune`` runs it by default: this
+machine's calibration and its served-step model (``slotune calibrate --served``; see
+controller/sim/served.py), the canary's default workload and SLO, and the same search plan
+(box, seeds, TPOT model) ``slotune tune`` makes from them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import json
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -20,11 +27,16 @@ from controller.cli import flags
 from controller.cli.paths import study_storage
 from controller.errors import BadInput, NoFeasiblePoint
 from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, resolve_scenario
+from controller.sim.served import LOCAL
 from controller.sim.target import SimTarget
 from metrics.observation import Slo
 from search.space import Knobs
 from search.stop_rule import PointSummary, StopRule
 from search.tuner import SAMPLERS, Tuner, TunerTrial
+
+if TYPE_CHECKING:
+    from controller.sim.scenarios import Scenario
+    from controller.tune_plan import SearchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +52,13 @@ def simulate_cmd(
         "h100-8b",
         "--scenario",
         "-s",
-        help=f"One of: {', '.join([*SCENARIOS, *HELD_OUT_SCENARIOS])}.",
+        help=f"One of: {', '.join([*SCENARIOS, *HELD_OUT_SCENARIOS, LOCAL])} (local: this "
+        "deployment, from `slotune calibrate --served`).",
+    ),
+    served: Path = typer.Option(
+        None,
+        "--served",
+        help="local: the served-step model JSON (default: this machine's cached one).",
     ),
     model: str = typer.Option(None, "--model", help="Override the scenario's model."),
     hardware: str = typer.Option(
@@ -71,8 +89,14 @@ def simulate_cmd(
             flags.positive_ms(flag, ms)
     if study is not None:
         study_storage("--study", study, must_exist=False)
+    if served is not None and scenario != LOCAL:
+        raise BadInput(f"--served {served}: only --scenario {LOCAL} reads a served model")
+    plan = None
     try:
-        sc = resolve_scenario(scenario)
+        if scenario == LOCAL:
+            sc, plan = _local(served)
+        else:
+            sc = resolve_scenario(scenario)
         changes: dict[str, object] = {}
         if model is not None:
             changes["model"] = model
@@ -93,13 +117,17 @@ def simulate_cmd(
         if sampler not in SAMPLERS:
             raise ValueError(f"--sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
         target = SimTarget(sc, seed=seed)
+        seeds, model_tpot = target.seed_knobs(), target.model_tpot_s
+        space = target.space
+        if plan is not None:  # the local scenario: the plan slotune tune makes
+            seeds, model_tpot, space = list(plan.seeds), plan.model_tpot_s, plan.space
         tuner = Tuner(
-            space=target.space,
+            space=space,
             slo=target.slo,
             storage=study,
             study_name=study_name or sc.name,
-            seed_knobs=[] if no_seed else target.seed_knobs(),
-            model_tpot_s=None if no_seed else target.model_tpot_s,
+            seed_knobs=[] if no_seed else seeds,
+            model_tpot_s=None if no_seed else model_tpot,
             sampler=sampler,
             seed=seed,
             stop_rule=StopRule(max_trials=max_trials),
@@ -123,6 +151,48 @@ def simulate_cmd(
             f"no knob met p99 TTFT <= {target.slo.ttft_p99_s:g}s and TPOT <="
             f" {target.slo.tpot_p99_s:g}s in {len(records)} trials"
         )
+
+
+def _local(path: Path | None) -> tuple[Scenario, SearchPlan]:
+    """The local scenario and the search plan ``slotune tune`` makes of this deployment:
+    the served model at ``path`` (default: the cache of the built-in small app at the
+    replica's threads) beside this machine's calibration at those threads."""
+    from controller.attach import embedded_threads
+    from controller.sim.served import LocalDeployment, local_scenario
+    from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS, plan_search
+    from controller.tune_served import load_served, served_path
+    from search.calibrate import device as calib
+    from search.roofline.hardware import HardwareSpec
+
+    threads = embedded_threads()
+    hw_path = calib.default_cache_path(calib.pick_device("cpu"), threads=threads)
+    src = path or served_path("cpu", threads, MODELS["small"])
+    got = load_served(src)
+    if got is None:
+        raise ValueError(
+            f"--scenario {LOCAL}: no served model at {src} (run: slotune calibrate --served)"
+        )
+    if not hw_path.is_file():
+        raise ValueError(
+            f"--scenario {LOCAL}: no calibration at {hw_path} (run slotune tune once, or "
+            f"slotune calibrate --threads {threads} --out {hw_path})"
+        )
+    model = {v: k for k, v in MODELS.items()}.get(got.model)
+    if model is None:
+        raise ValueError(f"--served {src}: model {got.model!r} is not a built-in app's")
+    dep = LocalDeployment(served=got, hardware_path=hw_path, max_batch=DEFAULT_MAX_SLOTS[model])
+    sc = local_scenario(dep)
+    ctx = round(got.prompt_tokens + got.output_tokens / 2)
+    plan = plan_search(
+        model=model,
+        hardware=HardwareSpec.from_json(hw_path),
+        slo=dep.slo,
+        price=None,
+        max_slots=dep.max_batch,
+        context=ctx,
+        served=got,
+    )
+    return sc, plan
 
 
 def _result(

@@ -46,6 +46,9 @@ class CurveReport:
     confirmations: int = 2  # windows a knob needs to be declared (the tuner's stop rule)
     stop_reason: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)  # command, started, wall_s, target
+    # The TPOT model the tuner was given, by batch (controller.tune_plan.SearchPlan.model_curve:
+    # the served-step model when calibrated); empty: the roofline's ``predicted`` curve.
+    model_curve: tuple[PredictedPoint, ...] = ()
 
     @property
     def chosen(self) -> TrialRecord | None:
@@ -95,18 +98,18 @@ class CurveReport:
         return [x for x in self.trials if (x.max_batch_size, x.max_concurrency) == k]
 
     def predicted_at(self, batch: int) -> PredictedPoint | None:
-        """The predicted point at ``batch`` (linear interpolation between curve points)."""
-        pts = sorted(self.predicted, key=lambda p: p.batch)
-        if not pts or batch < pts[0].batch or batch > pts[-1].batch:
-            return None
-        for a, b in zip(pts, pts[1:] or pts, strict=False):
-            if a.batch == batch:
-                return a
-            if a.batch < batch <= b.batch:
-                w = (batch - a.batch) / (b.batch - a.batch)
-                tpot = a.tpot_s + w * (b.tpot_s - a.tpot_s)
-                return PredictedPoint(batch=batch, tpot_s=tpot, tokens_per_s=batch / tpot)
-        return pts[-1] if pts[-1].batch == batch else None
+        """The roofline's predicted point at ``batch`` (linear interpolation between curve
+        points)."""
+        return point_at(self.predicted, batch)
+
+    def predicted_tpot_s(self, t: TrialRecord) -> float:
+        """The p99 TPOT the tuner's model predicted for trial ``t``: recorded with the
+        trial, else read off :attr:`model_curve` (the roofline's curve when empty) at its
+        batch limit; NaN when the run was unseeded."""
+        if math.isfinite(t.predicted_tpot_s):
+            return t.predicted_tpot_s
+        p = point_at(self.model_curve or self.predicted, t.max_batch_size)
+        return p.tpot_s if p is not None else math.nan
 
     def roofline_fraction(self, t: TrialRecord) -> float:
         """Measured tokens/s ÷ the roofline's tokens/s at the batch that could run."""
@@ -218,10 +221,15 @@ class CurveReport:
                 "stop_reason": self.stop_reason,
                 "meta": dict(self.meta),
                 "trials": [
-                    {**t.to_dict(), "roofline_fraction": self.roofline_fraction(t)}
+                    {
+                        **t.to_dict(),
+                        "predicted_p99_tpot_ms": ms_of(self.predicted_tpot_s(t)),
+                        "roofline_fraction": self.roofline_fraction(t),
+                    }
                     for t in self.trials
                 ],
                 "predicted": [asdict(p) for p in self.predicted],
+                "model_curve": [asdict(p) for p in self.model_curve],
             }
         )
 
@@ -248,7 +256,24 @@ class CurveReport:
             confirmations=int(d.get("confirmations") or 2),
             stop_reason=d.get("stop_reason", ""),
             meta=d.get("meta") or {},
+            model_curve=tuple(PredictedPoint.of(p) for p in d.get("model_curve") or []),
         )
 
     def with_trials(self, trials: Sequence[TrialRecord], **kw: Any) -> CurveReport:
         return replace(self, trials=tuple(trials), **kw)
+
+
+def point_at(curve: Sequence[PredictedPoint], batch: int) -> PredictedPoint | None:
+    """The point of ``curve`` at ``batch``, linearly interpolated in TPOT between its points;
+    None outside the curve."""
+    pts = sorted(curve, key=lambda p: p.batch)
+    if not pts or batch < pts[0].batch or batch > pts[-1].batch:
+        return None
+    for a, b in zip(pts, pts[1:] or pts, strict=False):
+        if a.batch == batch:
+            return a
+        if a.batch < batch <= b.batch:
+            w = (batch - a.batch) / (b.batch - a.batch)
+            tpot = a.tpot_s + w * (b.tpot_s - a.tpot_s)
+            return PredictedPoint(batch=batch, tpot_s=tpot, tokens_per_s=batch / tpot)
+    return pts[-1] if pts[-1].batch == batch else None

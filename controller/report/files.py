@@ -20,7 +20,10 @@ from controller.report.records import TrialRecord
 log = logging.getLogger(__name__)
 
 FILES = ("curve.csv", "curve.json", "curve.png", "report.html")
-CSV_COLUMNS = [f.name for f in fields(TrialRecord) if f.name != "evidence"] + ["roofline_fraction"]
+# The tuner's predicted p99 TPOT as the report resolves it (recorded, else its model curve).
+CSV_COLUMNS = [
+    f.name for f in fields(TrialRecord) if f.name not in ("evidence", "predicted_tpot_s")
+] + ["predicted_p99_tpot_ms", "roofline_fraction"]
 
 
 def write_csv(report: CurveReport, path: Path) -> None:
@@ -28,8 +31,13 @@ def write_csv(report: CurveReport, path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         for t in report.trials:
-            row = {**asdict(t), "roofline_fraction": report.roofline_fraction(t)}
+            row = {
+                **asdict(t),
+                "predicted_p99_tpot_ms": report.predicted_tpot_s(t) * 1e3,
+                "roofline_fraction": report.roofline_fraction(t),
+            }
             row.pop("evidence", None)
+            row.pop("predicted_tpot_s", None)
             w.writerow(
                 {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             )

@@ -155,6 +155,7 @@ def _row(report: CurveReport, t: TrialRecord, chosen: TrialRecord | None) -> str
         _f(t.p99_ttft_ms),
         _f(t.p50_tpot_ms),
         _f(t.p99_tpot_ms),
+        _f(report.predicted_tpot_s(t) * 1e3),
         f"{t.ttft_verdict}/{t.tpot_verdict}",
         f"{t.ttft_samples}/{t.tpot_samples}",
         _f(report.roofline_fraction(t), ".0%"),
@@ -177,7 +178,8 @@ def render_html(report: CurveReport, *, png_b64: str) -> str:
     chosen = report.chosen
     heads = (
         "trial,batch,conc.,tok/s,goodput req/s,p50 TTFT ms,p99 TTFT ms,p50 TPOT ms,"
-        "p99 TPOT ms,verdicts TTFT/TPOT,samples,of roofline,client p99 TPOT ms,wall s"
+        "p99 TPOT ms,predicted p99 TPOT ms,verdicts TTFT/TPOT,samples,of roofline,"
+        "client p99 TPOT ms,wall s"
     ).split(",")
     head = "".join(f"<th>{h}</th>" for h in heads) + '<th class="l">note</th>'
     rows = "\n".join(_row(report, t, chosen) for t in report.trials)
@@ -215,7 +217,7 @@ p{slo.quantile * 100:g} TPOT ≤ {slo.tpot_p99_s * 1e3:g} ms · price {price} ·
 <dt>hardware</dt><dd>{html.escape(report.hardware)}</dd>{hw}
 <dt>knee (roofline)</dt><dd>{_f(report.knee_batch, "d")}</dd>
 <dt>ridge point</dt><dd>{_f(report.ridge_flops_per_byte, ".0f")} FLOP/byte</dd>
-<dt>roofline's predicted operating point</dt><dd>batch {_f(report.predicted_batch, "d")}</dd>
+<dt>predicted operating point (the seed)</dt><dd>batch {_f(report.predicted_batch, "d")}</dd>
 <dt>roofline seed</dt><dd>{html.escape(report.seed_note or "–")}</dd>{backend}
 </dl>
 <h2>Run</h2><dl>{meta}</dl>

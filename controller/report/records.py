@@ -60,6 +60,10 @@ class TrialRecord:
     client_errors: int = 0
     note: str = ""  # why not feasible, or what went wrong
     remeasured: int = 0  # windows of this trial discarded across a fault before this one
+    # The p99 TPOT the tuner's model predicted at this batch (the served-step model when
+    # calibrated, else the roofline's step); NaN: not recorded (the report then reads it
+    # off its model curve: CurveReport.predicted_tpot_s).
+    predicted_tpot_s: float = math.nan
     # What the tuner stores of the window (``search.points.observation_attrs`` plus
     # ``feasible``): the request counts behind each verdict, so the report pools a
     # knob's windows exactly as the tuner does. Not a CSV column. None: not known.
@@ -78,6 +82,7 @@ class TrialRecord:
         client_errors: int = 0,
         note: str = "",
         remeasured: int = 0,
+        predicted_tpot_s: float = math.nan,
     ) -> TrialRecord:
         def verdict(v: Any) -> tuple[str, int]:
             return ("none", 0) if v is None else (Verdict(v.verdict).value, int(v.samples))
@@ -114,6 +119,7 @@ class TrialRecord:
             client_errors=int(client_errors),
             note=note,
             remeasured=int(remeasured),
+            predicted_tpot_s=float(predicted_tpot_s),
             evidence={**observation_attrs(obs), "feasible": bool(feasible)},
         )
 

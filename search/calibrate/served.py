@@ -10,11 +10,12 @@ loop at concurrency = batch, the canary's own windows) and fits
 
     TPOT(B) = intercept_s + slope_s * B        (p99, what the SLO and the tuner judge)
 
-by least squares; the p50 gets its own line (:attr:`ServedModel.p50_intercept_s` ...), for
-the simulator. A straight line because, on the measured CPUs, the per-sequence cost of
-serving (streaming, scheduling, prefill share) dwarfs the curvature of the bare step below
-the knee; the measured points and the fit's largest residual are stored beside it so a bad
-fit shows. The model holds for the workload it was measured with (:meth:`ServedModel.matches`).
+by least squares in relative error; the p50 gets its own line
+(:attr:`ServedModel.p50_intercept_s` ...), for the simulator. A straight line because,
+on the measured CPUs, the per-sequence cost of serving (streaming, scheduling, prefill
+share) dwarfs the curvature of the bare step below the knee; the measured points and the
+fit's largest residual are stored beside it so a bad fit shows. The model holds for the
+workload it was measured with (:meth:`ServedModel.matches`).
 
 Pure: the measuring is the controller's (``controller/tune_served.py``).
 """
@@ -78,19 +79,25 @@ class ServedPoint:
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of least squares, both >= 0: a negative slope (noise over a flat
-    cost) gives the mean as intercept; a negative intercept, the line through the origin."""
-    if len(xs) != len(ys) or not xs:
-        raise ValueError(f"fit_line: {len(xs)} xs and {len(ys)} ys; need as many, >= 1")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    """(intercept, slope) of least squares in relative error (weights 1/y**2: a 10 ms
+    point counts as much as a 100 ms one), both >= 0: a negative slope (noise over a flat
+    cost) gives the weighted mean as intercept; a negative intercept, the line through the
+    origin."""
+    if len(xs) != len(ys) or not xs or any(y <= 0 for y in ys):
+        raise ValueError(f"fit_line: {len(xs)} xs and {len(ys)} ys; need as many, >= 1, y > 0")
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True))
+    slope = sxy / sxx if sxx else 0.0
     if slope <= 0:
         return my, 0.0
     intercept = my - slope * mx
     if intercept < 0:
-        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+        num = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
+        return 0.0, num / sum(wi * x * x for wi, x in zip(w, xs, strict=True))
     return intercept, slope
 
 
