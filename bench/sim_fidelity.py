@@ -1,0 +1,95 @@
+"""Simulator fidelity on this deployment: `slotune simulate -s local` against the live canary.
+
+Runs the simulator's ``local`` scenario (this machine's calibration and served-step model,
+the canary's default workload and SLO: controller/sim/served.py) and then ``slotune tune``
+with its demo defaults (bounded by ``--time-budget``), and prints the predicted and the
+found operating point (batch, goodput) and their ratios; the target is within 20% in
+both. Needs a served calibration (``slotune calibrate --served``) unless ``--served``.
+
+    .venv/bin/python bench/sim_fidelity.py [--served PATH] [--time-budget 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTUNE = [sys.executable, "-m", "controller"]
+
+
+def cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def simulate(served: str | None) -> dict:
+    cmd = [*SLOTUNE, "simulate", "-s", "local", "--json"]
+    if served:
+        cmd += ["--served", served]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if out.returncode not in (0, 3):
+        raise SystemExit(f"slotune simulate failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def live(time_budget: float, out_dir: Path) -> dict:
+    cmd = [*SLOTUNE, "tune", "--quiet", "--out", str(out_dir), "--time-budget", str(time_budget)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if out.returncode not in (0, 3):
+        raise SystemExit(f"slotune tune failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads((out_dir / "curve.json").read_text())
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b in (None, 0) else a / b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--served", help="served model JSON (default: this machine's cache)")
+    ap.add_argument("--time-budget", type=float, default=240.0, help="slotune tune's budget")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    sim = simulate(args.served)
+    t_sim = time.monotonic() - t0
+    with tempfile.TemporaryDirectory(prefix="slotune-fidelity-") as d:
+        t1 = time.monotonic()
+        rep = live(args.time_budget, Path(d))
+        t_live = time.monotonic() - t1
+    chosen = sim.get("chosen") or {}
+    op = rep.get("operating_point") or {}
+    row = {
+        "cpu": cpu(),
+        "sim_seed_batch_roofline": sim.get("seed_batch"),
+        "live_seed_batch": rep.get("predicted_batch"),
+        "sim_batch": chosen.get("max_batch_size"),
+        "live_batch": op.get("max_batch_size"),
+        "sim_goodput_rps": chosen.get("goodput_rps"),
+        "live_goodput_rps": op.get("goodput_rps"),
+        "sim_s": round(t_sim, 1),
+        "live_s": round(t_live, 1),
+    }
+    row["batch_ratio"] = ratio(row["sim_batch"], row["live_batch"])
+    row["goodput_ratio"] = ratio(row["sim_goodput_rps"], row["live_goodput_rps"])
+    print(f"CPU: {row['cpu']}")
+    print(f"{'':>10} {'batch':>6} {'goodput req/s':>14}")
+    for who in ("sim", "live"):
+        g = row[f"{who}_goodput_rps"]
+        print(f"{who:>10} {row[f'{who}_batch']!s:>6} {'-' if g is None else f'{g:.2f}':>14}")
+    for k in ("batch_ratio", "goodput_ratio"):
+        v = row[k]
+        ok = v is not None and abs(v - 1) <= 0.2
+        print(f"{k}: {'-' if v is None else f'{v:.2f}'} ({'within' if ok else 'outside'} 20%)")
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
