@@ -36,13 +36,18 @@ end, VIOLATED on its lower end, so that neither rounds in its own favour.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from metrics.observation import Verdict
 
-# (ratio to p0, weight): the alternatives each e-process is mixed over.
-MET_MIXTURE: tuple[tuple[float, float], ...] = ((0.0, 0.4), (0.1, 0.3), (0.25, 0.2), (0.5, 0.1))
-VIOLATED_MIXTURE: tuple[tuple[float, float], ...] = tuple((r, 0.2) for r in (1.5, 2, 4, 10, 30))
+Mixture = tuple[tuple[float, float], ...]  # (ratio of the alternative to p0, its weight)
+# The alternatives each e-process is mixed over.
+MET_MIXTURE: Mixture = ((0.0, 0.4), (0.1, 0.3), (0.25, 0.2), (0.5, 0.1))
+VIOLATED_MIXTURE: Mixture = tuple((r, 0.2) for r in (1.5, 2, 4, 10, 30))
 # Where "what would decide it" stops looking.
 _MAX_REQUESTS = 10_000_000
 
@@ -77,26 +82,32 @@ def _check(total: int, above: int, above_at_most: int, q: float, confidence: flo
         )
 
 
-def _log_mixture(
-    total: int, above: int, p0: float, mixture: tuple[tuple[float, float], ...]
-) -> float:
-    terms: list[float] = []
+def _log_mixture(total: Any, above: Any, p0: float, mixture: Mixture) -> Any:
+    """ln of the weighted mixture of likelihood ratios at ``above`` of ``total`` requests:
+    numbers, or arrays of one shape (every prefix of a window at once)."""
+    kept = sum(w for r, w in mixture if 0 <= r * p0 < 1)
+    scalar = np.ndim(total) == 0 and np.ndim(above) == 0
+    terms = []
     for ratio, weight in mixture:
         p = ratio * p0
         if not 0 <= p < 1:
             continue
+        # the alternative's log-likelihood ratio; p = 0 is out after one request over
         if p == 0:
-            if above > 0:
-                continue
-            terms.append(math.log(weight) + total * -math.log1p(-p0))
-            continue
-        ll = above * math.log(ratio) + (total - above) * (math.log1p(-p) - math.log1p(-p0))
-        terms.append(math.log(weight) + ll)
-    if not terms:
-        return -math.inf
+            ll: Any = total * -math.log1p(-p0)
+            if scalar:
+                ll = -math.inf if above > 0 else ll
+            else:
+                ll = np.where(np.asarray(above) > 0, -np.inf, ll)
+        else:
+            ll = above * math.log(ratio) + (total - above) * (math.log1p(-p) - math.log1p(-p0))
+        terms.append(math.log(weight / kept) + ll)
+    if not scalar:
+        return np.logaddexp.reduce(np.stack(np.broadcast_arrays(*terms)), axis=0)
     top = max(terms)
-    kept = sum(w for r, w in mixture if 0 <= r * p0 < 1)
-    return top + math.log(sum(math.exp(t - top) for t in terms)) - math.log(kept)
+    if top == -math.inf:
+        return top
+    return top + math.log(sum(math.exp(t - top) for t in terms))
 
 
 def log_e_met(total: int, above_at_most: int, *, q: float = 0.99) -> float:
@@ -161,3 +172,35 @@ def requests_to_met(
         else:
             lo = mid
     return hi
+
+
+def first_decision(
+    over: Sequence[np.ndarray], *, q: float = 0.99, confidence: float = 0.95, start: int = 1
+) -> tuple[int, Verdict]:
+    """Where a window read after every request would stop. ``over`` holds one float array
+    per SLO, all of one length (the window's requests in finish order): 1 where the request
+    was over that SLO's threshold, 0 where not, NaN where it has no sample (a one-token
+    answer has no TPOT). Returns ``(n, verdict)``: the first prefix of at least ``start``
+    requests at which some SLO is VIOLATED (VIOLATED) or every SLO is MET (MET); else the
+    whole window and INSUFFICIENT."""
+    size = len(over[0]) if over else 0
+    if any(len(x) != size for x in over):
+        raise ValueError(f"over: arrays of lengths {[len(x) for x in over]}: need equal lengths")
+    if size == 0:
+        return 0, Verdict.INSUFFICIENT
+    thr = -math.log1p(-confidence)
+    met = np.ones(size, dtype=bool)  # [size]
+    violated = np.zeros(size, dtype=bool)  # [size]
+    for x in over:
+        x = np.asarray(x, dtype=np.float64)  # [size]
+        seen = ~np.isnan(x)
+        n = np.cumsum(seen)  # [size] samples so far
+        k = np.cumsum(np.where(seen, x, 0.0) > 0)  # [size] of them over the threshold
+        met &= _log_mixture(n, k, 1 - q, MET_MIXTURE) >= thr
+        violated |= _log_mixture(n, k, 1 - q, VIOLATED_MIXTURE) >= thr
+    first = max(0, start - 1)
+    decided = (met | violated)[first:]
+    if not decided.any():
+        return size, Verdict.INSUFFICIENT
+    i = int(np.argmax(decided)) + first
+    return i + 1, Verdict.VIOLATED if violated[i] else Verdict.MET

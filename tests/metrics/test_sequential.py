@@ -9,6 +9,7 @@ import pytest
 
 from metrics.observation import Verdict
 from metrics.sequential import (
+    first_decision,
     log_e_met,
     log_e_violated,
     requests_to_met,
@@ -98,3 +99,25 @@ def test_a_bracketed_count_judges_each_side_on_its_unflattering_end() -> None:
 def test_bad_counts_say_what_is_allowed(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         sequential_verdict(**kwargs)
+
+
+def test_first_decision_stops_a_window_where_a_reader_of_every_request_would() -> None:
+    rng = np.random.default_rng(5)
+    clean = (rng.random(2000) < 0.0).astype(float)
+    slow = (rng.random(2000) < 0.4).astype(float)
+    n, v = first_decision([clean, clean])
+    assert v is Verdict.MET and n == requests_to_met(0, 0)
+    n, v = first_decision([clean, slow])  # one SLO far over: VIOLATED within a few dozen
+    assert v is Verdict.VIOLATED and n < 40
+    assert sequential_verdict(n, int(slow[:n].sum())).verdict is Verdict.VIOLATED
+    assert sequential_verdict(n - 1, int(slow[: n - 1].sum())).verdict is Verdict.INSUFFICIENT
+    # a request without a sample (NaN) counts for neither side of that SLO
+    gaps = clean.copy()
+    gaps[::2] = np.nan
+    n, v = first_decision([clean, gaps])
+    assert v is Verdict.MET and n == 2 * requests_to_met(0, 0)
+    # undecided: the whole window
+    assert first_decision([clean[:100], clean[:100]]) == (100, Verdict.INSUFFICIENT)
+    assert first_decision([clean[:0]]) == (0, Verdict.INSUFFICIENT)
+    with pytest.raises(ValueError, match="lengths"):
+        first_decision([clean, clean[:10]])
