@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from controller.sim.scenarios import resolve_scenario
 from controller.sim.target import SimTarget
@@ -38,9 +38,21 @@ class Truth:
 class Bench:
     """One scenario: cached noisy windows, cached truths, the oracle."""
 
-    def __init__(self, name: str, replicates: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        replicates: int,
+        *,
+        sequential: bool = True,
+        window_noise_cv: float | None = None,
+    ) -> None:
+        """``sequential``: windows stop once decided (False: the ablation, whole windows);
+        ``window_noise_cv``: the per-window slowdown's CV instead of the scenario's."""
         self.name = name
-        self.target = SimTarget(resolve_scenario(name))
+        sc = resolve_scenario(name)
+        if window_noise_cv is not None:
+            sc = replace(sc, window_noise_cv=window_noise_cv)
+        self.target = SimTarget(sc, sequential=sequential)
         self.slo = self.target.slo
         self.replicates = replicates
         self._windows: dict[tuple[int, int, int], Observation] = {}
@@ -69,6 +81,7 @@ class Bench:
                 seed=_h(self.name, "truth") % 2**31,
                 denoised=True,
                 window_scale=TRUTH_WINDOW_SCALE,
+                whole=True,
             ).observation
             # The long, noise-free run's p99s within the SLO (on fresh, non-empty data).
             ok = (

@@ -68,10 +68,12 @@ from bench.search_bench import (
     Bench,
     grid_knobs,
 )
-from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS
+from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, SLOW_SCENARIOS
 from search.space import Knobs
 from search.stop_rule import StopRule
 from search.tuner import Tuner
+
+WHOLE = "slotune-whole"  # slotune on windows that always run their whole length (ablation)
 
 
 def run_strategy(
@@ -83,12 +85,14 @@ def run_strategy(
     trace: list[dict] | None = None,
     larger_batch_within: float = 0.0,
     single: dict | None = None,
+    spent: dict | None = None,
 ) -> tuple[int, bool]:
     """Trials until the incumbent is truly feasible and within 5% of the oracle (a tuner's
     trials are appended to ``trace`` when given: bench/search_trace.py). For slotune,
     ``single`` (when given) gets ``trials``: the same count for the incumbent the baselines
     are scored by, the best knob measured feasible in one window (``Tuner.best(confirmed=
-    False)``), from the same run."""
+    False)``), from the same run. ``spent`` (when given) gets ``seconds``: the measured
+    window time until then (simulated seconds; all of the cap's when it never got there)."""
     t = bench.target
     counts: dict[Knobs, int] = {}
 
@@ -129,11 +133,14 @@ def run_strategy(
     track_single = single is not None and strategy == "slotune"
     found: int | None = None
     single_at: int | None = None
+    seconds = 0.0
     for i in range(1, cap + 1):
         k = tuner.propose()
         n = counts.get(k, 0)
         counts[k] = n + 1
         rec = tuner.report(k, o := bench.measure(k, seed=seed, nth=n))
+        if found is None:
+            seconds += o.window_s
         inc = tuner.best()
         if trace is not None:
             trace.append({"trial": i, "record": rec, "observation": o, "incumbent": inc})
@@ -147,18 +154,27 @@ def run_strategy(
             break
     if track_single and single is not None:
         single["trials"] = single_at if single_at is not None else cap + 1
+    if spent is not None:
+        spent["seconds"] = seconds
     return (found, True) if found is not None else (cap + 1, False)
 
 
 def run_scenario(
-    name: str, seeds: int, cap: int, replicates: int, larger_batch_within: float = 0.0
+    name: str,
+    seeds: int,
+    cap: int,
+    replicates: int,
+    larger_batch_within: float = 0.0,
+    window_noise_cv: float | None = None,
 ) -> dict:
-    """Every strategy on one scenario (a process of its own with --jobs)."""
+    """Every strategy on one scenario (a process of its own with --jobs), and slotune
+    again with whole windows (``slotune-whole``: the sequential-verdict ablation)."""
     torch.set_num_threads(1)  # GPSampler's small fits: threads only spin on shared cores
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
-    bench = Bench(name, replicates)
+    bench = Bench(name, replicates, window_noise_cv=window_noise_cv)
+    whole = Bench(name, replicates, sequential=False, window_noise_cv=window_noise_cv)
     s0 = time.perf_counter()
     ok, og = bench.oracle()
     desc = bench.target.describe()
@@ -170,7 +186,7 @@ def run_scenario(
     )
     res: dict[str, dict] = {}
 
-    def summary(strat: str, trials: list[int], scap: int) -> None:
+    def summary(strat: str, trials: list[int], scap: int, secs: list[float] = ()) -> None:
         arr = np.asarray(trials, dtype=float)
         reached = int(sum(n <= scap for n in trials))
         res[strat] = {
@@ -181,24 +197,37 @@ def run_scenario(
             "cap": scap,
             "censored": reached < seeds,
         }
+        if secs:  # simulated seconds of measuring until there (all of the cap's if never)
+            res[strat]["median_measured_s"] = round(float(np.median(secs)), 1)
         print(
-            f"  {name} {strat:12s} median {res[strat]['median']:5.1f}"
-            f"  p90 {res[strat]['p90']:5.1f}  reached {reached}/{seeds} (cap {scap})",
+            f"  {name} {strat:13s} median {res[strat]['median']:5.1f}"
+            f"  p90 {res[strat]['p90']:5.1f}  reached {reached}/{seeds} (cap {scap})"
+            + (f"  measured {res[strat]['median_measured_s']:.0f} s" if secs else ""),
             flush=True,
         )
 
-    for strat in STRATEGIES:
-        scap = len(grid_knobs(bench, strat)) if strat in GRIDS else cap
-        trials, singles = [], []
+    for strat in (*STRATEGIES, WHOLE):
+        on = whole if strat == WHOLE else bench
+        scap = len(grid_knobs(on, strat)) if strat in GRIDS else cap
+        trials, singles, secs = [], [], []
         for seed in range(seeds):
             one: dict = {}
+            spent: dict = {}
             n, _ = run_strategy(
-                bench, strat, seed, scap, og, larger_batch_within=larger_batch_within, single=one
+                on,
+                "slotune" if strat == WHOLE else strat,
+                seed,
+                scap,
+                og,
+                larger_batch_within=larger_batch_within,
+                single=None if strat == WHOLE else one,
+                spent=spent,
             )
             trials.append(n)
+            secs.append(spent.get("seconds", float("nan")))
             if "trials" in one:
                 singles.append(one["trials"])
-        summary(strat, trials, scap)
+        summary(strat, trials, scap, secs if strat in ("slotune", WHOLE) else [])
         if singles:
             summary(f"{strat}{SINGLE_SUFFIX}", singles, scap)
     sl = res["slotune"]["median"]
@@ -235,9 +264,20 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios",
         nargs="*",
         default=None,
-        choices=sorted({**SCENARIOS, **HELD_OUT_SCENARIOS}),
+        choices=sorted({**SCENARIOS, **SLOW_SCENARIOS, **HELD_OUT_SCENARIOS}),
         help="default: every benchmark scenario; the held-out ones"
         f" ({', '.join(HELD_OUT_SCENARIOS)}) run only when named",
+    )
+    ap.add_argument(
+        "--slow",
+        action="store_true",
+        help=f"the slow scenarios, a few requests a second ({', '.join(SLOW_SCENARIOS)})",
+    )
+    ap.add_argument(
+        "--window-noise-cv",
+        type=float,
+        default=None,
+        help="every window's slowdown drawn with this CV instead of the scenario's (e.g. 0.15)",
     )
     ap.add_argument("--replicates", type=int, default=4)
     ap.add_argument("--cap", type=int, default=30, help="trial cap for the samplers")
@@ -254,13 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
-    names = args.scenarios or (["h100-8b"] if args.quick else list(SCENARIOS))
+    names = args.scenarios or (
+        ["h100-8b"] if args.quick else list(SLOW_SCENARIOS) if args.slow else list(SCENARIOS)
+    )
     seeds = 3 if args.quick else args.seeds
     cap = 12 if args.quick else args.cap
     replicates = 2 if args.quick else args.replicates
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(names)))
-    work = [(n, seeds, cap, replicates, args.larger_batch_within) for n in names]
+    work = [
+        (n, seeds, cap, replicates, args.larger_batch_within, args.window_noise_cv) for n in names
+    ]
     if jobs == 1:
         results = [run_scenario(*w) for w in work]
     else:
@@ -271,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, dict] = dict(zip(names, results, strict=True))
     wall = time.perf_counter() - t0
     print()
-    cols = [*STRATEGIES, f"slotune{SINGLE_SUFFIX}"]
+    cols = [*STRATEGIES, f"slotune{SINGLE_SUFFIX}", WHOLE]
     hdr = f"{'scenario':12s} {'oracle':>16s} " + " ".join(f"{s:>15s}" for s in cols)
     print(hdr)
     print("-" * len(hdr))
@@ -291,8 +335,17 @@ def main(argv: list[str] | None = None) -> int:
         " '>' = beyond the cap for at least half the seeds; grid: powers of two, batch x"
         " concurrency >= batch, ascending; grid-band: concurrency 1/2/4 x batch;"
         f" slotune{SINGLE_SUFFIX}: slotune's runs scored as the baselines are, by the best"
-        " knob feasible in one window instead of the one it declares)"
+        " knob feasible in one window instead of the one it declares; slotune-whole: slotune"
+        " on windows that always run their whole length, the sequential-verdict ablation)"
     )
+    for name, r in out.items():
+        seq = r["strategies"]["slotune"]["median_measured_s"]
+        full = r["strategies"][WHOLE]["median_measured_s"]
+        r["measured_s_sequential_over_whole"] = round(seq / full, 3) if full else None
+        print(
+            f"{name:12s} median measuring until found: sequential {seq:.0f} s, whole windows"
+            f" {full:.0f} s (ratio {r['measured_s_sequential_over_whole']})"
+        )
     summary = {
         "bench": "search_efficiency",
         "quick": args.quick,
@@ -301,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "replicates": replicates,
         "jobs": jobs,
         "larger_batch_within": args.larger_batch_within,
+        "window_noise_cv": args.window_noise_cv,
         "worst_median_trials": max(r["strategies"]["slotune"]["median"] for r in out.values()),
         "min_ratio_vs_tpe": min(r["ratio_vs_tpe"] for r in out.values()),
         "min_ratio_vs_grid": min(r["ratio_vs_grid"] for r in out.values()),

@@ -190,6 +190,48 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+# Big models that serve a few requests a second: 70B-class replicas answering at length.
+# A 30 s window holds a few dozen requests, too few for any p99 verdict; the canary's
+# windows then last as long as their verdict needs (bench/search_efficiency.py --slow).
+_LONG = dict(
+    prompt=LengthDist.lognormal(mean=256, cv=0.6, lo=32, hi=1024),
+    output=LengthDist.lognormal(mean=1500, cv=0.5, lo=128, hi=3072),
+)
+SLOW_SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="h100x4-70b-long",
+            model="llama-3.1-70b",
+            hardware="h100-sxm",
+            tp=4,
+            slo=Slo(ttft_p99_s=2.0, tpot_p99_s=0.035),
+            workload=Workload(rate_rps=1.0, **_LONG),
+            max_len=4096,
+            window_s=30.0,
+            efficiency=Efficiency(
+                at_batch_1=0.75, at_ref_batch=0.5, overhead_s=3e-3, prefill_interference=2.0
+            ),
+            description="Llama 3.1 70B on 4 x H100 SXM (TP=4), ~1500-token answers",
+        ),
+        Scenario(
+            name="a100x4-70b-long",
+            model="llama-3.1-70b",
+            hardware="a100-80gb",
+            tp=4,
+            slo=Slo(ttft_p99_s=3.0, tpot_p99_s=0.05),
+            workload=Workload(rate_rps=1.0, **_LONG),
+            max_len=4096,
+            window_s=30.0,
+            efficiency=Efficiency(
+                at_batch_1=0.7, at_ref_batch=0.45, overhead_s=4e-3, prefill_interference=2.0
+            ),
+            description="Llama 3.1 70B on 4 x A100 80GB (TP=4), ~1500-token answers",
+        ),
+    )
+}
+
+
 # Held out: scenarios the tuner was NOT tuned on, to show that it finds the oracle on a
 # setup it has not been tuned on. Defined before any tuning against them, with a
 # model/device/TP/SLO/efficiency mix none of SCENARIOS uses; bench/search_efficiency.py
@@ -247,8 +289,8 @@ def local_cpu_hardware() -> tuple[HardwareSpec, str]:
 
 
 def resolve_scenario(name: str) -> Scenario:
-    """A benchmark scenario or a held-out one, by name."""
-    known = {**SCENARIOS, **HELD_OUT_SCENARIOS}
+    """A benchmark scenario, a slow one or a held-out one, by name."""
+    known = {**SCENARIOS, **SLOW_SCENARIOS, **HELD_OUT_SCENARIOS}
     if name not in known:
         raise ValueError(f"scenario {name!r}: choose one of {sorted(known)}")
     return known[name]

@@ -16,19 +16,23 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import numpy as np
+
 from controller.sim.decode_run import DecodeRunStepTime
 from controller.sim.scenarios import (
     SCENARIO_HARDWARE,
     Scenario,
     local_cpu_hardware,
 )
-from metrics.observation import Observation
+from metrics.observation import Observation, Slo
+from metrics.sequential import first_decision
 from search.roofline.curve import Roofline
 from search.roofline.hardware import resolve_hardware
 from search.roofline.models import resolve_model
 from search.roofline.operating_point import analyze
 from search.space import Knobs, SearchSpace
 from serving.scheduler.plan import StepPlan
+from serving.sim.observation import observation_from_timings
 from serving.sim.result import SimConfig, SimResult
 from serving.sim.simulator import simulate
 from serving.sim.workload import mean_tokens
@@ -39,7 +43,23 @@ logger = logging.getLogger(__name__)
 class SimTarget:
     """Measure knobs on the simulated fleet of a :class:`Scenario`."""
 
-    def __init__(self, scenario: Scenario, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        seed: int = 0,
+        sequential: bool = True,
+        budget_requests: int = 1000,
+    ) -> None:
+        """``sequential``: a window stops as soon as its verdict is decided
+        (:func:`metrics.sequential.first_decision`), as the live canary's does; False: it
+        always runs its whole length (the ablation). ``budget_requests``: a window lasts
+        at least long enough for that many requests at the scenario's rate (its budget
+        follows the request rate: a 1 req/s deployment gets longer windows)."""
+        if not (isinstance(budget_requests, int) and budget_requests >= 1):
+            raise ValueError(f"budget_requests={budget_requests!r}: must be an integer >= 1")
+        self.sequential = sequential
+        self.budget_requests = budget_requests
         self.scenario = sc = scenario
         if sc.hardware == "local-cpu":
             self.hardware, self.hardware_source = local_cpu_hardware()
@@ -133,12 +153,18 @@ class SimTarget:
         return [self.space.clip(k) for k in out]
 
     def run(
-        self, knobs: Knobs, *, seed: int, denoised: bool = False, window_scale: float = 1.0
+        self,
+        knobs: Knobs,
+        *,
+        seed: int,
+        denoised: bool = False,
+        window_scale: float = 1.0,
+        whole: bool = False,
     ) -> SimResult:
+        """One window on ``knobs``; ``whole``: never stopped early (a truth run)."""
         cfg = self.sim_config.denoised() if denoised else self.sim_config
-        if window_scale != 1.0:
-            cfg = replace(cfg, window_s=cfg.window_s * window_scale)
-        return simulate(
+        cfg = replace(cfg, window_s=self.window_s(knobs) * window_scale)
+        result = simulate(
             max_batch_size=min(knobs.max_batch_size, cfg.max_slots),
             max_concurrency=max(knobs.max_concurrency, min(knobs.max_batch_size, cfg.max_slots)),
             workload=self.workload,
@@ -147,6 +173,17 @@ class SimTarget:
             slo=self.slo,
             seed=seed,
         )
+        if whole or not self.sequential:
+            return result
+        return stopped_early(result, self.slo, cfg.confidence)
+
+    def window_s(self, knobs: Knobs) -> float:
+        """How long a window on ``knobs`` may last: the scenario's window, or long enough
+        for ``budget_requests`` at the rate the model predicts there (with 1.5x slack: the
+        model is the peak roofline, faster than the simulated truth), whichever is longer."""
+        b = max(1, min(knobs.max_batch_size, self.sim_config.max_slots))
+        rate = b / (self.model_tpot_s(b) * mean_tokens(self.scenario.workload.output))
+        return max(self.sim_config.window_s, 1.5 * self.budget_requests / rate)
 
     def measure(self, knobs: Knobs) -> Observation:
         """One noisy window (a fresh seed each call, deterministic in sequence)."""
@@ -170,3 +207,48 @@ class SimTarget:
             "seed_batch": self.seed_batch,
             "context": self.context,
         }
+
+
+# A window never stops before this many requests: requests finishing together share the
+# engine's state, and a verdict on the first handful would rest on one moment.
+MIN_REQUESTS = 20
+
+
+def stopped_early(result: SimResult, slo: Slo, confidence: float) -> SimResult:
+    """``result`` cut where a reader of every finished request would have stopped it: the
+    first request, from the :data:`MIN_REQUESTS`-th on, at which either SLO is VIOLATED
+    or both are MET (the window's own requests, anytime-valid). Rejections are prorated to
+    the time kept; the step counts stay the whole run's."""
+    timings = result.timings
+    if not timings:
+        return result
+    ttft = np.array([t.ttft_s for t in timings])  # [n]
+    tpot = np.array([t.tpot_s if t.generated_tokens >= 2 else np.nan for t in timings])  # [n]
+    with np.errstate(invalid="ignore"):
+        over = [
+            (ttft > slo.ttft_p99_s).astype(float),
+            np.where(np.isnan(tpot), np.nan, (tpot > slo.tpot_p99_s).astype(float)),
+        ]
+    n, _ = first_decision(over, q=slo.quantile, confidence=confidence, start=MIN_REQUESTS)
+    if n >= len(timings):
+        return result
+    obs = result.observation
+    end = timings[n - 1].last_token_s
+    kept = (end - obs.start_s) / obs.window_s if obs.window_s > 0 else 1.0
+    cut = observation_from_timings(
+        timings[:n],
+        slo=slo,
+        start_s=obs.start_s,
+        end_s=end,
+        rejected=round(obs.rejected * kept),
+        confidence=confidence,
+        source=obs.source,
+    )
+    return SimResult(
+        observation=cut,
+        timings=tuple(timings[:n]),
+        steps=result.steps,
+        busy_s=result.busy_s,
+        sim_s=result.sim_s,
+        slowdown=result.slowdown,
+    )
