@@ -15,8 +15,8 @@ passes when it exits 0 with a feasible point; the issue asks for >= 9 of 10.
 Prints a row per run, the truths and a summary per variant, then one JSON line last.
 Loopback only; each run is bounded by ``--run-timeout-s`` (then SIGINT, TERM, KILL).
 
-    .venv/bin/python bench/canary_noise.py                           # 10 + 10 runs, ~2 h
-    .venv/bin/python bench/canary_noise.py --runs 1 --only baseline  # a smoke test
+    .venv/bin/python bench/canary_noise.py                           # 10 + 10 runs, ~1-2 h
+    .venv/bin/python bench/canary_noise.py --runs 1 --only baseline  # smoke test, ~5 min
 """
 
 from __future__ import annotations
