@@ -11,4 +11,11 @@ class BadInput(ValueError):
 
 
 class NoFeasiblePoint(RuntimeError):
-    """No configuration met the SLO (exit code 3: a canary gate)."""
+    """Every configuration measured was judged to violate the SLO (exit code 3: the canary
+    gate fails)."""
+
+
+class Undecided(RuntimeError):
+    """No configuration was shown to meet the SLO, yet some were not shown to violate it
+    either (exit code 4: no verdict; the message names the best candidate, its evidence
+    and what would decide it)."""

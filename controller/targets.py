@@ -35,7 +35,8 @@ from controller.load.spec import TraceItem, completions_url, saturating_spec
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.windows import WindowReader
 from metrics.build import with_client_goodput
-from metrics.observation import Observation, Slo
+from metrics.observation import Observation, Slo, Verdict
+from metrics.sequential import sequential_verdict
 from serving.sim.workload import LengthDist
 
 if TYPE_CHECKING:
@@ -81,24 +82,44 @@ class Target(Protocol):
         ...
 
 
+# A sequential window never stops before this many requests: requests finishing together
+# share the engine's state, and a verdict on the first handful would rest on one moment.
+SEQUENTIAL_MIN_REQUESTS = 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class WindowPlan:
-    """How long to warm up and measure. The window runs at least ``window_s`` and then
-    until the client has seen ``min_requests`` completions (a p99 verdict needs ~300
-    requests at 95% confidence) or ``max_window_s`` has passed."""
+    """How long to warm up and measure.
+
+    A whole window (``sequential`` False) runs at least ``window_s`` and then until the
+    client has seen ``min_requests`` completions (a fixed-n p99 verdict needs ~300 requests
+    at 95% confidence) or ``max_window_s`` has passed.
+
+    A sequential window runs at least ``window_s`` and :data:`SEQUENTIAL_MIN_REQUESTS`
+    requests, then stops as soon as its verdict is decided at the stated confidence
+    (either SLO VIOLATED or both MET, by the anytime-valid e-processes of
+    :mod:`metrics.sequential`): every ``look_s`` the client's own records are judged, and
+    when they look decided the server's window is read and judged; the window stops when
+    the server's verdict is decided. Undecided, it runs until ``budget_requests``
+    completions, so its length follows the deployment's request rate (1000 requests are
+    ~100 s at 10 req/s, ~17 min at 1 req/s), or until ``max_window_s``."""
 
     warmup_s: float = 3.0
     window_s: float = 8.0
     max_window_s: float = 30.0
     min_requests: int = 300
     poll_s: float = 0.25
+    sequential: bool = False
+    budget_requests: int = 1000
+    look_s: float = 1.0
+    confidence: float = 0.95
     # Client errors (not rejections) a window tolerates: more than max(max_client_errors,
     # max_client_error_frac of its requests) and the window is discarded as faulty.
     max_client_errors: int = 2
     max_client_error_frac: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("warmup_s", "window_s", "max_window_s", "poll_s"):
+        for name in ("warmup_s", "window_s", "max_window_s", "poll_s", "look_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name}={v!r}: must be a finite number of seconds >= 0")
@@ -110,6 +131,10 @@ class WindowPlan:
             )
         if not (isinstance(self.min_requests, int) and self.min_requests >= 0):
             raise ValueError(f"min_requests={self.min_requests!r}: must be an integer >= 0")
+        if not (isinstance(self.budget_requests, int) and self.budget_requests >= 1):
+            raise ValueError(f"budget_requests={self.budget_requests!r}: must be an integer >= 1")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence={self.confidence!r}: must be in (0, 1)")
         if not (isinstance(self.max_client_errors, int) and self.max_client_errors >= 0):
             raise ValueError(
                 f"max_client_errors={self.max_client_errors!r}: must be an integer >= 0"
@@ -195,18 +220,44 @@ async def measure_window(
         before = await asyncio.to_thread(fleet) if fleet else ()
         token = await asyncio.to_thread(reader.begin)
         t0 = time.time()
+        client_records = getattr(reader, "needs_client_records", False)
+
+        async def read(t_end: float) -> Observation:
+            # A reader of the client's own records (controller.windows.ClientWindow) gets them.
+            extra = {"records": list(done)} if client_records else {}
+            return await asyncio.to_thread(reader.end, token, start_s=t0, end_s=t_end, **extra)
+
+        obs: Observation | None = None
+        last_look = t0
         while not load.done():
             await asyncio.sleep(plan.poll_s)
-            elapsed = time.time() - t0
+            now = time.time()
+            elapsed = now - t0
             n = sum(r.ok and r.done_s >= t0 for r in done)
-            if elapsed >= plan.max_window_s or (
-                elapsed >= plan.window_s and n >= plan.min_requests
-            ):
+            if elapsed >= plan.max_window_s:
                 break
-        t1 = time.time()
-        # A reader of the client's own records (controller.windows.ClientWindow) gets them.
-        extra = {"records": list(done)} if getattr(reader, "needs_client_records", False) else {}
-        obs = await asyncio.to_thread(reader.end, token, start_s=t0, end_s=t1, **extra)
+            if not plan.sequential:
+                if elapsed >= plan.window_s and n >= plan.min_requests:
+                    break
+                continue
+            if n >= plan.budget_requests:
+                break
+            if (
+                elapsed < plan.window_s
+                or n < SEQUENTIAL_MIN_REQUESTS
+                or now - last_look < plan.look_s
+            ):
+                continue
+            last_look = now
+            if not _decided(_client_counts(done, t0, slo), slo, plan.confidence):
+                continue
+            interim = await read(now)
+            if _decided(_server_counts(interim), slo, plan.confidence):
+                obs, t1 = interim, now
+                break
+        if obs is None:
+            t1 = time.time()
+            obs = await read(t1)
         after = await asyncio.to_thread(fleet) if fleet else ()
     finally:
         stop.set()
@@ -228,6 +279,49 @@ async def measure_window(
     return Measurement(
         observation=obs, client=client, client_errors=window.errors, note=note, fault=fault
     )
+
+
+Tally = tuple[int, int, int]  # requests, over the threshold, possibly over it
+
+
+def _client_counts(records: list[RequestRecord], t0: float, slo: Slo) -> list[Tally]:
+    """The client's TTFT and TPOT tallies of the requests finished since ``t0``."""
+    ok = [r for r in records if r.ok and r.done_s >= t0]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
+    out = []
+    for xs, thr in ((ttft, slo.ttft_p99_s), (tpot, slo.tpot_p99_s)):
+        over = sum(x > thr for x in xs)
+        out.append((len(xs), over, over))
+    return out
+
+
+def _server_counts(obs: Observation) -> list[Tally] | None:
+    """The counts behind the server's two verdicts (None: some are unknown, or the window
+    is stale: then it decides nothing)."""
+    from search.evidence import counts_of
+
+    if obs.stale:
+        return None
+    out = []
+    for v in (obs.ttft_verdict, obs.tpot_verdict):
+        c = counts_of(v)
+        if c is None:
+            return None
+        out.append((c.total, c.above, c.above_at_most))
+    return out
+
+
+def _decided(tallies: list[Tally] | None, slo: Slo, confidence: float) -> bool:
+    """Whether the anytime-valid verdict on these tallies is decided: either SLO VIOLATED,
+    or both MET."""
+    if tallies is None:
+        return False
+    verdicts = [
+        sequential_verdict(n, k, q=slo.quantile, confidence=confidence, above_at_most=hi).verdict
+        for n, k, hi in tallies
+    ]
+    return Verdict.VIOLATED in verdicts or all(v is Verdict.MET for v in verdicts)
 
 
 def _with_times(obs: Observation, start_s: float, end_s: float) -> Observation:

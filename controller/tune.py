@@ -56,6 +56,11 @@ class TuneLimits:
     retries: int = 2  # transient measurement failures per trial before the run stops
     retry_wait_s: float = 2.0
     remeasures: int = 2  # windows across a fault discarded per trial before the run stops
+    # A slow deployment's windows last as long as their request budget needs: the time
+    # budget grows to at least `budget_windows` windows of `budget_requests` requests at
+    # the request rate measured so far (0: it never grows).
+    budget_requests: int = 0
+    budget_windows: int = 6
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_trials, int) and self.max_trials >= 1):
@@ -66,6 +71,10 @@ class TuneLimits:
             raise ValueError(f"retries={self.retries!r}: must be an integer >= 0")
         if not (isinstance(self.remeasures, int) and self.remeasures >= 0):
             raise ValueError(f"remeasures={self.remeasures!r}: must be an integer >= 0")
+        for name in ("budget_requests", "budget_windows"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 0):
+                raise ValueError(f"{name}={v!r}: must be an integer >= 0")
         if not (math.isfinite(self.retry_wait_s) and self.retry_wait_s >= 0):
             raise ValueError(f"retry_wait_s={self.retry_wait_s!r}: must be >= 0 seconds")
 
@@ -162,10 +171,9 @@ def _tune(
                 break
             # Start a trial only if a typical one still fits in the budget.
             typical = statistics.median(walls) if walls else 0.0
-            if elapsed + typical > limits.time_budget_s:
-                stop_reason = (
-                    f"time budget ({limits.time_budget_s:.0f} s) spent after {elapsed:.0f} s"
-                )
+            budget_s = _time_budget(limits, records)
+            if elapsed + typical > budget_s:
+                stop_reason = f"time budget ({budget_s:.0f} s) spent after {elapsed:.0f} s"
                 break
             # Stop on the tuner's rule only with a point to deploy (the report chooses by
             # the tuner's own rule; a tuner stopping at its max_trials without one has
@@ -255,6 +263,21 @@ def _tune(
         final_note=note,
         paths=paths,
     )
+
+
+def _time_budget(limits: TuneLimits, records: list[TrialRecord]) -> float:
+    """The time budget: ``limits.time_budget_s``, or on a slow deployment
+    ``budget_windows`` windows of ``budget_requests`` at the median request rate measured
+    so far, whichever is longer."""
+    rates = [
+        t.completed / t.window_s
+        for t in records
+        if t.completed > 0 and math.isfinite(t.window_s) and t.window_s > 0
+    ]
+    if not (limits.budget_requests and limits.budget_windows and rates):
+        return limits.time_budget_s
+    window = limits.budget_requests / statistics.median(rates)
+    return max(limits.time_budget_s, limits.budget_windows * window)
 
 
 def _changes(tuner: Tuner) -> dict[str, Any]:

@@ -316,6 +316,28 @@ def prepare(
             slo=slo,
         ),
     )
+    if app == "slotune" and started and hw is not None and searched.seeded:
+        # slotune's own model on the Ray it started: seed from the served step (the engine
+        # in its replica through HTTP streaming), measured once and cached
+        from controller.tune_served import served_plan
+
+        searched = served_plan(
+            searched,
+            url=setup.url,
+            target_slo=slo,
+            reader=reader,
+            actuator=setup.actuator,
+            shape=shape,
+            model=model,
+            hardware=hw,
+            price=price,
+            max_slots=max_slots,
+            context=context,
+            device=device,
+            threads=threads,
+            quiet=quiet,
+        )
+        hw_note = f"{hw_note}; {searched.reason}"
     return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)
 
 

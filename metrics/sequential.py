@@ -175,14 +175,21 @@ def requests_to_met(
 
 
 def first_decision(
-    over: Sequence[np.ndarray], *, q: float = 0.99, confidence: float = 0.95, start: int = 1
+    over: Sequence[np.ndarray],
+    *,
+    q: float = 0.99,
+    confidence: float = 0.95,
+    start: int = 1,
+    met_start: int = 1,
 ) -> tuple[int, Verdict]:
     """Where a window read after every request would stop. ``over`` holds one float array
     per SLO, all of one length (the window's requests in finish order): 1 where the request
     was over that SLO's threshold, 0 where not, NaN where it has no sample (a one-token
     answer has no TPOT). Returns ``(n, verdict)``: the first prefix of at least ``start``
-    requests at which some SLO is VIOLATED (VIOLATED) or every SLO is MET (MET); else the
-    whole window and INSUFFICIENT."""
+    requests at which some SLO is VIOLATED (VIOLATED) or, from ``met_start`` requests on,
+    every SLO is MET (MET); else the whole window and INSUFFICIENT. (A window stopped at
+    the first MET would leave its p99 estimate biased low: it stops where the sample
+    looks best. A clear violation may stop it early; a pass waits for the nominal window.)"""
     size = len(over[0]) if over else 0
     if any(len(x) != size for x in over):
         raise ValueError(f"over: arrays of lengths {[len(x) for x in over]}: need equal lengths")
@@ -198,6 +205,7 @@ def first_decision(
         k = np.cumsum(np.where(seen, x, 0.0) > 0)  # [size] of them over the threshold
         met &= _log_mixture(n, k, 1 - q, MET_MIXTURE) >= thr
         violated |= _log_mixture(n, k, 1 - q, VIOLATED_MIXTURE) >= thr
+    met[: max(0, met_start - 1)] = False
     first = max(0, start - 1)
     decided = (met | violated)[first:]
     if not decided.any():

@@ -13,7 +13,7 @@ import sys
 import typer
 
 from controller.cli import calibrate, export, observe, roofline, serve, simulate, tune
-from controller.errors import BadInput, NoFeasiblePoint
+from controller.errors import BadInput, NoFeasiblePoint, Undecided
 
 app = typer.Typer(
     name="slotune",
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     except NoFeasiblePoint as e:
         print(f"slotune: no feasible point: {e}", file=sys.stderr)
         sys.exit(3)
+    except Undecided as e:
+        print(f"slotune: undecided: {e}", file=sys.stderr)
+        sys.exit(4)
     # typer.Exit(n) comes back as n outside standalone mode; a command's own return, None
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -32,8 +32,9 @@ from controller.attach import shutdown_local
 from controller.cli import flags, tune_backend, tune_load
 from controller.cli.flags import slo_from_ms
 from controller.cli.paths import output_dir, study_storage
-from controller.errors import BadInput, NoFeasiblePoint
+from controller.errors import BadInput, NoFeasiblePoint, Undecided
 from controller.report.cost import cost_sentence
+from controller.report.undecided import undecided_summary
 from controller.tune_plan import DEFAULT_MAX_BATCH, DEFAULT_MAX_SLOTS, MODELS
 from controller.tune_setup import SetupFailed, prepare
 from metrics.observation import DEFAULT_SLO
@@ -198,19 +199,27 @@ def tune(
         20, "--max-trials", help="At most this many trials.", rich_help_panel=SEARCH
     ),
     time_budget: float = typer.Option(
-        240.0, "--time-budget", help="Seconds for the trials.", rich_help_panel=SEARCH
+        240.0,
+        "--time-budget",
+        help="Seconds for the trials; on a slow deployment, at least six windows of"
+        " --budget-requests at its measured rate.",
+        rich_help_panel=SEARCH,
     ),
     warmup_s: float = typer.Option(
         2.0, "--warmup", help="Warm-up seconds per trial.", rich_help_panel=SEARCH
     ),
     window_s: float = typer.Option(
-        5.0, "--window", help="Least measurement seconds.", rich_help_panel=SEARCH
+        2.0, "--window", help="Least measurement seconds.", rich_help_panel=SEARCH
     ),
     max_window_s: float = typer.Option(
-        30.0, "--max-window", help="Most measurement seconds.", rich_help_panel=SEARCH
+        900.0, "--max-window", help="Most measurement seconds.", rich_help_panel=SEARCH
     ),
-    min_requests: int = typer.Option(
-        300, "--min-requests", help="Requests a window aims at.", rich_help_panel=SEARCH
+    budget_requests: int = typer.Option(
+        800,
+        "--budget-requests",
+        help="A window stops once its verdict is decided (95%, anytime-valid), else after"
+        " this many requests.",
+        rich_help_panel=SEARCH,
     ),
     seed: int = typer.Option(0, "--seed", help="Sampler and load seed.", rich_help_panel=SEARCH),
     out: Path = typer.Option(
@@ -272,7 +281,7 @@ def tune(
     ):
         flags.http_url(flag, value)
     flags.at_least("--max-slots", max_slots, 1)
-    flags.at_least("--min-requests", min_requests, 0)
+    flags.at_least("--budget-requests", budget_requests, 1)
     flags.at_least("--tp", tp, 1)
     flags.at_least("--max-batch", max_batch, 1)
     flags.seed("--seed", seed)
@@ -293,12 +302,15 @@ def tune(
         )
     tune_backend.check_hardware(hardware)
     try:
-        limits = TuneLimits(max_trials=max_trials, time_budget_s=time_budget)
+        limits = TuneLimits(
+            max_trials=max_trials, time_budget_s=time_budget, budget_requests=budget_requests
+        )
         plan = WindowPlan(
             warmup_s=warmup_s,
             window_s=window_s,
             max_window_s=max(max_window_s, window_s),
-            min_requests=min_requests,
+            sequential=True,
+            budget_requests=budget_requests,
         )
         shape = RequestShape(
             prompt_tokens=tune_load.lengths("--prompt-tokens", prompt_tokens),
@@ -388,6 +400,7 @@ def tune(
             knee_batch=None if a is None else a.knee_batch,
             ridge_flops_per_byte=None if a is None else round(a.ridge_flops_per_byte, 1),
             predicted_batch=searched.seed_batch,
+            model_curve=searched.model_curve,
             seed_note=searched.reason,
             backend={**setup.actuator.describe(), "metrics": setup.reader_desc},
             meta={
@@ -398,8 +411,9 @@ def tune(
                 "metrics": setup.reader_desc,
                 "storage": study,
                 "study": study_name,
-                "window": f"warm-up {plan.warmup_s:g} s, {plan.window_s:g}-{plan.max_window_s:g}"
-                f" s, aiming at {plan.min_requests} requests",
+                "window": f"warm-up {plan.warmup_s:g} s, then until the verdict is decided"
+                f" (anytime-valid, 95%), at least {plan.window_s:g} s, at most"
+                f" {plan.budget_requests} requests or {plan.max_window_s:g} s",
                 "load": f"closed loop at each trial's max_concurrency; prompt {prompt_tokens}, "
                 f"output {output_tokens} tokens; {endpoint}, {prompt_format} prompts"
                 + (f" sized by {shape.tokenizer}" if shape.tokenizer else "")
@@ -455,6 +469,11 @@ def _finish(outcome: TuneOutcome, out_dir: Path, quiet: bool) -> None:
     if outcome.aborted:
         typer.echo(f"slotune: stopped by a fault: {outcome.aborted}", err=True)
         raise typer.Exit(1)
+    if op is None and (cand := outcome.report.undecided()) is not None:
+        raise Undecided(
+            f"{len(outcome.report.trials)} trials; {undecided_summary(cand, outcome.report.slo)}."
+            f" See {out_dir / 'report.html'}"
+        )
     if op is None:
         hint = outcome.report.sample_hint()
         raise NoFeasiblePoint(

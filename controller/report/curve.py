@@ -66,23 +66,29 @@ class CurveReport:
         return max(self.measurements_of(p.knobs), key=lambda t: t.number)
 
     def _points(self) -> list[Any]:
-        """One ``search.stop_rule.PointSummary`` per knob (``search.points.summarize``)."""
-        from search.points import summarize
+        """One ``search.stop_rule.PointSummary`` per knob, judged as the tuner judges them
+        (``search.points.summarize_all``: pooled windows, neighbours' requests, noise)."""
+        from search.points import summarize_all
         from search.space import Knobs
 
-        groups: dict[tuple[int, int], list[TrialRecord]] = {}
+        groups: dict[Any, list[tuple[dict[str, Any], float, int]]] = {}
         for t in self.trials:
-            groups.setdefault((t.max_batch_size, t.max_concurrency), []).append(t)
-        return [
-            summarize(
-                Knobs(max_batch_size=b, max_concurrency=c),
-                [t.window_attrs() for t in ts],
-                values=[t.goodput_rps if math.isfinite(t.goodput_rps) else 0.0 for t in ts],
-                numbers=[t.number for t in ts],
-                slo=self.slo,
-            )
-            for (b, c), ts in groups.items()
-        ]
+            k = Knobs(max_batch_size=t.max_batch_size, max_concurrency=t.max_concurrency)
+            value = t.goodput_rps if math.isfinite(t.goodput_rps) else 0.0
+            groups.setdefault(k, []).append((t.window_attrs(), value, t.number))
+        return summarize_all(groups, slo=self.slo)
+
+    def undecided(self) -> Any | None:
+        """With no point to deploy: the best candidate no verdict has ruled out (its pooled
+        verdicts not VIOLATED; the most goodput, then the earliest), a
+        ``search.stop_rule.PointSummary`` with its evidence; None when every knob measured
+        was VIOLATED (or nothing was measured): then none is feasible."""
+        if self._incumbent() is not None:
+            return None
+        from metrics.observation import Verdict
+
+        open_ = [p for p in self._points() if p.pooled is not Verdict.VIOLATED]
+        return max(open_, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
 
     def _incumbent(self) -> Any | None:
         from search.stop_rule import incumbent

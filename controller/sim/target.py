@@ -163,7 +163,9 @@ class SimTarget:
     ) -> SimResult:
         """One window on ``knobs``; ``whole``: never stopped early (a truth run)."""
         cfg = self.sim_config.denoised() if denoised else self.sim_config
-        cfg = replace(cfg, window_s=self.window_s(knobs) * window_scale)
+        cfg = replace(
+            cfg, window_s=self.window_s(knobs) * window_scale, warmup_s=self.warmup_s(knobs)
+        )
         result = simulate(
             max_batch_size=min(knobs.max_batch_size, cfg.max_slots),
             max_concurrency=max(knobs.max_concurrency, min(knobs.max_batch_size, cfg.max_slots)),
@@ -175,15 +177,38 @@ class SimTarget:
         )
         if whole or not self.sequential:
             return result
-        return stopped_early(result, self.slo, cfg.confidence)
+        return stopped_early(
+            result,
+            self.slo,
+            cfg.confidence,
+            nominal_s=self.sim_config.window_s * window_scale,
+            min_requests=knobs.max_concurrency,
+        )
+
+    def _model_rate(self, knobs: Knobs) -> float:
+        """Completions per second the (peak roofline) model predicts at ``knobs``."""
+        b = max(1, min(knobs.max_batch_size, self.sim_config.max_slots))
+        return b / (self.model_tpot_s(b) * mean_tokens(self.scenario.workload.output))
+
+    def warmup_s(self, knobs: Knobs) -> float:
+        """The scenario's warm-up, or long enough for ``WARMUP_TURNOVERS`` times the
+        admission limit's requests to finish (at the simulated decode rate, as the live
+        canary counts them), whichever is longer: the burst that fills an empty engine
+        at a knob change queues its requests, and the first requests a window sees would
+        carry that queue, not the knob's steady state."""
+        c = max(1, knobs.max_concurrency)
+        b = max(1, min(knobs.max_batch_size, self.sim_config.max_slots))
+        eff = self.efficiency
+        # the live canary counts completions as they happen: the simulated truth's rate
+        step = eff.overhead_s + self.roofline.step_time_s(b) / eff.factor(b)
+        rate = b / (step * mean_tokens(self.scenario.workload.output))
+        return max(self.sim_config.warmup_s, WARMUP_TURNOVERS * c / rate)
 
     def window_s(self, knobs: Knobs) -> float:
         """How long a window on ``knobs`` may last: the scenario's window, or long enough
         for ``budget_requests`` at the rate the model predicts there (with 1.5x slack: the
         model is the peak roofline, faster than the simulated truth), whichever is longer."""
-        b = max(1, min(knobs.max_batch_size, self.sim_config.max_slots))
-        rate = b / (self.model_tpot_s(b) * mean_tokens(self.scenario.workload.output))
-        return max(self.sim_config.window_s, 1.5 * self.budget_requests / rate)
+        return max(self.sim_config.window_s, 1.5 * self.budget_requests / self._model_rate(knobs))
 
     def measure(self, knobs: Knobs) -> Observation:
         """One noisy window (a fresh seed each call, deterministic in sequence)."""
@@ -209,15 +234,27 @@ class SimTarget:
         }
 
 
+# A warm-up lasts at least until this many times the admission limit's requests finished.
+WARMUP_TURNOVERS = 4
+
 # A window never stops before this many requests: requests finishing together share the
 # engine's state, and a verdict on the first handful would rest on one moment.
 MIN_REQUESTS = 20
 
 
-def stopped_early(result: SimResult, slo: Slo, confidence: float) -> SimResult:
+def stopped_early(
+    result: SimResult,
+    slo: Slo,
+    confidence: float,
+    *,
+    nominal_s: float = 0.0,
+    min_requests: int = 0,
+) -> SimResult:
     """``result`` cut where a reader of every finished request would have stopped it: the
-    first request, from the :data:`MIN_REQUESTS`-th on, at which either SLO is VIOLATED
-    or both are MET (the window's own requests, anytime-valid). Rejections are prorated to
+    first request, from the :data:`MIN_REQUESTS`-th on (and the ``min_requests``-th: the
+    canary passes the admission limit, one turnover of it), at which either SLO is VIOLATED
+    or, from ``nominal_s`` into the window on, both are MET (the window's own requests,
+    anytime-valid). Rejections are prorated to
     the time kept; the step counts stay the whole run's."""
     timings = result.timings
     if not timings:
@@ -229,7 +266,19 @@ def stopped_early(result: SimResult, slo: Slo, confidence: float) -> SimResult:
             (ttft > slo.ttft_p99_s).astype(float),
             np.where(np.isnan(tpot), np.nan, (tpot > slo.tpot_p99_s).astype(float)),
         ]
-    n, _ = first_decision(over, q=slo.quantile, confidence=confidence, start=MIN_REQUESTS)
+    # a pass stops the window no earlier than the scenario's nominal length
+    nominal = int(
+        np.searchsorted(
+            [t.last_token_s for t in timings], result.observation.start_s + nominal_s, side="right"
+        )
+    )
+    n, _ = first_decision(
+        over,
+        q=slo.quantile,
+        confidence=confidence,
+        start=max(MIN_REQUESTS, min_requests),
+        met_start=nominal,
+    )
     if n >= len(timings):
         return result
     obs = result.observation
