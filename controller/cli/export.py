@@ -9,7 +9,8 @@ import typer
 
 from controller.cli import flags
 from controller.cli.paths import file_error, output_dir, study_storage
-from controller.errors import BadInput, NoFeasiblePoint
+from controller.errors import BadInput, NoFeasiblePoint, Undecided
+from controller.report.undecided import undecided_summary
 
 DEFAULT_URL_OUT = Path("slotune-out/export")  # where a study held at a URL is exported
 
@@ -46,6 +47,10 @@ def export(
     except OSError as e:
         raise file_error("--out", out_dir, e) from None
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+    if report.chosen is None and (cand := report.undecided()) is not None:
+        raise Undecided(
+            f"the study's {len(report.trials)} trials; {undecided_summary(cand, report.slo)}"
+        )
     if report.chosen is None:
         raise NoFeasiblePoint(f"the study's {len(report.trials)} trials hold no feasible point")
 

@@ -87,8 +87,14 @@ class CurveReport:
             return None
         from metrics.observation import Verdict
 
-        open_ = [p for p in self._points() if p.pooled is not Verdict.VIOLATED]
-        return max(open_, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
+        def open_(p: Any) -> bool:
+            if p.pooled is not None:
+                return p.pooled is not Verdict.VIOLATED
+            # no request counts (an old study): open while its p99s are within the SLO
+            return p.ttft_p99_s <= self.slo.ttft_p99_s and p.tpot_p99_s <= self.slo.tpot_p99_s
+
+        cands = [p for p in self._points() if open_(p)]
+        return max(cands, key=lambda p: (p.goodput_rps, -p.first_trial), default=None)
 
     def _incumbent(self) -> Any | None:
         from search.stop_rule import incumbent

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from controller.progress import Progress
 from controller.report.curve import CurveReport
-from controller.report.records import PredictedPoint
+from controller.report.records import PredictedPoint, TrialRecord
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.targets import Measurement, Target
 from controller.tune import TuneLimits, run_tune
@@ -713,3 +714,67 @@ def test_a_restarting_batch_limit_is_moved_rarely_and_its_restarts_are_counted(t
     assert len(noted) == changes
     assert all(t.wall_s >= RestartingTarget.RESTART_S for t in noted)  # in the trial's time
     assert "restarts the replicas" in " ".join(explain(out.report))
+
+
+class CountingTarget(FakeTarget):
+    """FakeTarget whose verdicts carry their request counts (as every real source's do):
+    ``over`` (a function of the knobs) of each window's 200 requests exceed the TPOT SLO."""
+
+    def __init__(self, over, **kw) -> None:
+        super().__init__(**kw)
+        self.over = over
+
+    def measure(self, knobs: Knobs) -> Measurement:
+        from dataclasses import replace
+
+        from metrics.samples import verdict_from_counts
+
+        m = super().measure(knobs)
+        n, k = 200, self.over(knobs)
+        obs = replace(
+            m.observation,
+            completed=n,
+            slo_met=n - k,
+            ttft_verdict=verdict_from_counts(n, 0, SLO.ttft_p99_s, 0.1),
+            tpot_verdict=verdict_from_counts(n, k, SLO.tpot_p99_s, 0.05),
+        )
+        return Measurement(observation=obs, client=obs)
+
+
+def test_export_tells_undecided_from_infeasible(tmp_path: Path, capsys) -> None:
+    # 200 clean requests a window: never enough for an anytime-valid MET in one window
+    # ... and the tuner's two windows a point are too few when one request is over
+    (tmp_path / "u").mkdir()
+    (tmp_path / "b").mkdir()
+    undecided = CountingTarget(lambda k: 1)
+    run(tmp_path / "u", undecided, limits=TuneLimits(max_trials=3, time_budget_s=1e6))
+    code, _, err = _cli(
+        ["export", str(tmp_path / "u" / "study.journal"), "--out", str(tmp_path / "u")], capsys
+    )
+    assert code == 4 and "undecided" in err and "best candidate" in err
+    assert "more requests with none over the SLO" in err  # what would decide it
+    # every window far over the SLO: none feasible, the canary fails (exit 3)
+    bad = CountingTarget(lambda k: 150)
+    run(tmp_path / "b", bad, limits=TuneLimits(max_trials=3, time_budget_s=1e6))
+    code, _, err = _cli(
+        ["export", str(tmp_path / "b" / "study.journal"), "--out", str(tmp_path / "b")], capsys
+    )
+    assert code == 3 and "no feasible point" in err
+
+
+def test_the_time_budget_follows_a_slow_request_rate() -> None:
+    from controller.tune import _time_budget
+
+    limits = TuneLimits(time_budget_s=240.0, budget_requests=800, budget_windows=6)
+    rec = TrialRecord.from_observation(
+        number=0,
+        knobs=Knobs(max_batch_size=4, max_concurrency=4),
+        obs=Observation(start_s=0.0, end_s=100.0, completed=100, slo_met=100),
+        feasible=False,
+        wall_s=100.0,
+    )
+    assert _time_budget(limits, []) == 240.0
+    assert _time_budget(limits, [rec]) == 6 * 800 / 1.0  # 1 req/s: six 800-request windows
+    fast = replace(rec, completed=10_000)
+    assert _time_budget(limits, [fast]) == 240.0
+    assert _time_budget(replace(limits, budget_requests=0), [rec]) == 240.0
