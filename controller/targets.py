@@ -36,7 +36,7 @@ from controller.target_errors import TargetError, TargetUnavailable
 from controller.windows import WindowReader
 from metrics.build import with_client_goodput
 from metrics.observation import Observation, Slo, Verdict
-from metrics.sequential import sequential_verdict
+from metrics.sequential import EARLY_CONFIDENCE, sequential_verdict
 from serving.sim.workload import LengthDist
 
 if TYPE_CHECKING:
@@ -95,14 +95,16 @@ class WindowPlan:
     client has seen ``min_requests`` completions (a fixed-n p99 verdict needs ~300 requests
     at 95% confidence) or ``max_window_s`` has passed.
 
-    A sequential window runs at least ``window_s`` and :data:`SEQUENTIAL_MIN_REQUESTS`
-    requests, then stops as soon as its verdict is decided at the stated confidence
-    (either SLO VIOLATED or both MET, by the anytime-valid e-processes of
-    :mod:`metrics.sequential`): every ``look_s`` the client's own records are judged, and
+    A sequential window stops as soon as its verdict is decided by the anytime-valid
+    e-processes of :mod:`metrics.sequential`: every ``look_s`` (from
+    :data:`SEQUENTIAL_MIN_REQUESTS` requests on) the client's own records are judged, and
     when they look decided the server's window is read and judged; the window stops when
-    the server's verdict is decided. Undecided, it runs until ``budget_requests``
-    completions, so its length follows the deployment's request rate (1000 requests are
-    ~100 s at 10 req/s, ~17 min at 1 req/s), or until ``max_window_s``."""
+    the server's verdict is decided. Before its nominal size (``window_s`` and
+    ``min_requests``) only a clear violation decides (at 99.5%: a badly violating knob
+    costs a few dozen requests); from then on either SLO VIOLATED or both MET at
+    ``confidence``. Undecided, it runs until ``budget_requests`` completions, so its length
+    follows the deployment's request rate (1000 requests are ~100 s at 10 req/s, ~17 min
+    at 1 req/s), or until ``max_window_s``."""
 
     warmup_s: float = 3.0
     window_s: float = 8.0
@@ -242,17 +244,15 @@ async def measure_window(
                 continue
             if n >= plan.budget_requests:
                 break
-            if (
-                elapsed < plan.window_s
-                or n < SEQUENTIAL_MIN_REQUESTS
-                or now - last_look < plan.look_s
-            ):
+            if n < SEQUENTIAL_MIN_REQUESTS or now - last_look < plan.look_s:
                 continue
             last_look = now
-            if not _decided(_client_counts(done, t0, slo), slo, plan.confidence):
+            # before the nominal size, only a clear violation ends the window
+            early = elapsed < plan.window_s or n < plan.min_requests
+            if not _decided(_client_counts(done, t0, slo), slo, plan.confidence, early=early):
                 continue
             interim = await read(now)
-            if _decided(_server_counts(interim), slo, plan.confidence):
+            if _decided(_server_counts(interim), slo, plan.confidence, early=early):
                 obs, t1 = interim, now
                 break
         if obs is None:
@@ -312,15 +312,21 @@ def _server_counts(obs: Observation) -> list[Tally] | None:
     return out
 
 
-def _decided(tallies: list[Tally] | None, slo: Slo, confidence: float) -> bool:
+def _decided(
+    tallies: list[Tally] | None, slo: Slo, confidence: float, *, early: bool = False
+) -> bool:
     """Whether the anytime-valid verdict on these tallies is decided: either SLO VIOLATED,
-    or both MET."""
+    or both MET; ``early`` (before the window's nominal size): only a violation at
+    :data:`~metrics.sequential.EARLY_CONFIDENCE` (see :func:`metrics.sequential.first_decision`)."""
     if tallies is None:
         return False
+    conf = max(confidence, EARLY_CONFIDENCE) if early else confidence
     verdicts = [
-        sequential_verdict(n, k, q=slo.quantile, confidence=confidence, above_at_most=hi).verdict
+        sequential_verdict(n, k, q=slo.quantile, confidence=conf, above_at_most=hi).verdict
         for n, k, hi in tallies
     ]
+    if early:
+        return Verdict.VIOLATED in verdicts
     return Verdict.VIOLATED in verdicts or all(v is Verdict.MET for v in verdicts)
 
 

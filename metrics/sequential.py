@@ -174,41 +174,55 @@ def requests_to_met(
     return hi
 
 
+# Before its nominal length, a window stops only on a violation this clear.
+EARLY_CONFIDENCE = 0.995
+
+
 def first_decision(
     over: Sequence[np.ndarray],
     *,
     q: float = 0.99,
     confidence: float = 0.95,
     start: int = 1,
-    met_start: int = 1,
+    nominal: int = 1,
+    early_confidence: float = EARLY_CONFIDENCE,
 ) -> tuple[int, Verdict]:
     """Where a window read after every request would stop. ``over`` holds one float array
     per SLO, all of one length (the window's requests in finish order): 1 where the request
     was over that SLO's threshold, 0 where not, NaN where it has no sample (a one-token
     answer has no TPOT). Returns ``(n, verdict)``: the first prefix of at least ``start``
-    requests at which some SLO is VIOLATED (VIOLATED) or, from ``met_start`` requests on,
-    every SLO is MET (MET); else the whole window and INSUFFICIENT. (A window stopped at
-    the first MET would leave its p99 estimate biased low: it stops where the sample
-    looks best. A clear violation may stop it early; a pass waits for the nominal window.)"""
+    requests at which some SLO is VIOLATED at ``early_confidence`` or, from the ``nominal``
+    prefix on, some SLO is VIOLATED or every SLO is MET at ``confidence``; else the whole
+    window and INSUFFICIENT.
+
+    Why the nominal length: a window stopped at the first MET would leave its p99 and
+    goodput estimates biased (it stops where the sample looks best), and the search reads
+    them; a mild violation stopped early likewise. A clear violation (a stricter threshold
+    of the same e-process, still anytime-valid) costs only a few dozen requests, and an
+    undecided window runs past its nominal length until it is decided."""
     size = len(over[0]) if over else 0
     if any(len(x) != size for x in over):
         raise ValueError(f"over: arrays of lengths {[len(x) for x in over]}: need equal lengths")
     if size == 0:
         return 0, Verdict.INSUFFICIENT
     thr = -math.log1p(-confidence)
+    thr_early = -math.log1p(-early_confidence)
     met = np.ones(size, dtype=bool)  # [size]
     violated = np.zeros(size, dtype=bool)  # [size]
+    clear = np.zeros(size, dtype=bool)  # [size] violated at early_confidence
     for x in over:
         x = np.asarray(x, dtype=np.float64)  # [size]
         seen = ~np.isnan(x)
         n = np.cumsum(seen)  # [size] samples so far
         k = np.cumsum(np.where(seen, x, 0.0) > 0)  # [size] of them over the threshold
         met &= _log_mixture(n, k, 1 - q, MET_MIXTURE) >= thr
-        violated |= _log_mixture(n, k, 1 - q, VIOLATED_MIXTURE) >= thr
-    met[: max(0, met_start - 1)] = False
+        e_vio = _log_mixture(n, k, 1 - q, VIOLATED_MIXTURE)
+        violated |= e_vio >= thr
+        clear |= e_vio >= thr_early
+    early = np.arange(size) < nominal - 1  # [size] prefixes shorter than the nominal one
+    decided = np.where(early, clear, met | violated)
     first = max(0, start - 1)
-    decided = (met | violated)[first:]
-    if not decided.any():
+    if not decided[first:].any():
         return size, Verdict.INSUFFICIENT
-    i = int(np.argmax(decided)) + first
+    i = int(np.argmax(decided[first:])) + first
     return i + 1, Verdict.VIOLATED if violated[i] else Verdict.MET

@@ -40,6 +40,7 @@ from metrics.sequential import log_e_met, log_e_violated, requests_to_met
 _MATCH_RTOL = 1e-9
 # Neighbouring knobs lend requests by bins of this load ratio (judge()).
 BORROW_BIN_RATIO = 1.25
+BORROW_SHARE = 0.25  # the prior weight all neighbour bins on one side share
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,9 +160,12 @@ def borrow_bin(own_load: int, other_load: int) -> int:
 
 
 def borrow_weight(j: int) -> float:
-    """The prior weight of neighbour bin ``j`` in a monotone verdict: ½·(6/π²)/j², so that
-    the bins on one side sum to ½ and the knob's own requests keep the other half."""
-    return 0.5 * 6 / math.pi**2 / j**2
+    """The prior weight of neighbour bin ``j`` in a monotone verdict:
+    ``BORROW_SHARE``·(6/π²)/j², so that the bins on one side sum to ``BORROW_SHARE`` and
+    the knob's own requests keep the rest. The share is small because it is paid whatever
+    the neighbours turn out to be: a heavier neighbour over the SLO lends nothing, and the
+    knob's own evidence then has to reach 1/(α·(1 - share)) instead of 1/α."""
+    return BORROW_SHARE * 6 / math.pi**2 / j**2
 
 
 def judge(

@@ -8,7 +8,7 @@ over its pooled windows, worst p99s, and both SLOs judged anytime-validly on the
 its fresh windows' requests plus what its neighbours lend under the monotone model
 (:func:`search.evidence.judge`). Stale windows lend no requests. Windows of one knob that
 disagree beyond sampling error, or a knob violating TPOT below a batch that met it, are
-noise: the knob is reported noisy and left undecided rather than VIOLATED. A study written
+noise: the knob is reported noisy, and its windows are judged one by one, a majority deciding. A study written
 before the counts were stored (or an Observation whose verdicts state no bounds) falls
 back to a majority vote of windows. Pure: no I/O.
 """
@@ -192,6 +192,23 @@ def _contradictions(points: list[PointSummary]) -> list[PointSummary]:
     return out
 
 
+def _majority(windows: Sequence[Attrs], key: str, q: float) -> Verdict:
+    """``key``'s verdict by a majority of fresh windows, each judged anytime-validly on its
+    own requests: MET or VIOLATED when more than half say so, else INSUFFICIENT."""
+    from metrics.sequential import sequential_verdict
+
+    votes = [
+        sequential_verdict(
+            c.total, c.above, q=q, confidence=c.confidence, above_at_most=c.above_at_most
+        ).verdict
+        for c in _fresh(windows, key) or []
+    ]
+    for v in (Verdict.MET, Verdict.VIOLATED):
+        if 2 * votes.count(v) > len(votes):
+            return v
+    return Verdict.INSUFFICIENT
+
+
 def summarize(
     knobs: Knobs,
     windows: Sequence[Attrs],
@@ -205,8 +222,9 @@ def summarize(
     """Every window of ``knobs`` (stored attributes, objective values, trial numbers) as
     one :class:`PointSummary` (see the module doc). ``judged``: each SLO's verdict as
     :func:`summarize_all` judged it with the neighbours' requests (None: on this knob's
-    windows alone); ``noise``: why its windows look noisy. A noisy knob is never VIOLATED
-    on its pooled verdict: it stays undecided, to be measured again."""
+    windows alone); ``noise``: why its windows look noisy. A noisy knob's windows are not
+    pooled: each is judged on its own requests and a majority of windows decides (two
+    windows that disagree leave it undecided, to be measured again)."""
     if not windows or not len(windows) == len(values) == len(numbers):
         raise ValueError(
             f"{len(windows)} windows, {len(values)} values, {len(numbers)} trial numbers:"
@@ -236,9 +254,12 @@ def summarize(
         tpot_v = tpot_j.verdict if tpot_j is not None else Verdict.INSUFFICIENT
     else:
         ttft_v = tpot_v = None
+    if noise and judged is not None:
+        # Windows that disagree beyond sampling error are not one sample: each window is
+        # judged on its own requests, and the majority of windows decides each SLO.
+        ttft_v = _majority(windows, "ttft", slo.quantile)
+        tpot_v = _majority(windows, "tpot", slo.quantile)
     pooled = combine(ttft_v, tpot_v)
-    if noise and pooled is Verdict.VIOLATED:
-        pooled = Verdict.INSUFFICIENT
     # Goodput of the pooled windows: their SLO-meeting requests over their total time.
     spans = [a.get("window_s") for a in windows]
     if all(isinstance(w, (int, float)) and w > 0 for w in spans):

@@ -12,7 +12,7 @@ rule, in order:
 1. ``max_trials`` reached: stop (with or without a feasible point).
 2. No confirmed incumbent: continue.
 3. Bracketed: a point with a larger batch, at most ``bracket_ratio`` times the
-   incumbent's, was measured infeasible on TPOT. Under the monotone physics
+   incumbent's, was judged to violate TPOT (undecided is not enough). Under the monotone physics
    (TPOT grows with batch) there is no better batch: stop.
 4. Stale: the last ``patience`` trials did not raise the incumbent's goodput by
    more than ``min_improvement`` (relative): stop.
@@ -141,6 +141,13 @@ def incumbent(
     return max(near, key=lambda p: (p.knobs.max_batch_size, p.goodput_rps, -p.first_trial))
 
 
+def _violates_tpot(p: PointSummary) -> bool:
+    """TPOT judged VIOLATED (without request counts: not every window met it)."""
+    if p.tpot is not None:
+        return p.tpot.verdict is Verdict.VIOLATED
+    return not p.tpot_ok
+
+
 def stop_reason(points: Sequence[PointSummary], n_trials: int, rule: StopRule) -> str | None:
     """Why the search may stop now, or None to continue (see the module doc)."""
     if n_trials >= rule.max_trials:
@@ -153,7 +160,7 @@ def stop_reason(points: Sequence[PointSummary], n_trials: int, rule: StopRule) -
     b = best.knobs.max_batch_size
     for p in points:
         pb = p.knobs.max_batch_size
-        if b < pb <= b * rule.bracket_ratio and not p.tpot_ok:
+        if b < pb <= b * rule.bracket_ratio and _violates_tpot(p):
             return f"bracketed: {p.knobs} violates TPOT just above the incumbent {best.knobs}"
     # The trial that last raised the bar by more than min_improvement.
     bar, last_gain = -math.inf, -1

@@ -214,6 +214,12 @@ def tune(
     max_window_s: float = typer.Option(
         900.0, "--max-window", help="Most measurement seconds.", rich_help_panel=SEARCH
     ),
+    min_requests: int = typer.Option(
+        300,
+        "--min-requests",
+        help="A window's nominal size: before it, only a clear violation (99.5%) ends it.",
+        rich_help_panel=SEARCH,
+    ),
     budget_requests: int = typer.Option(
         800,
         "--budget-requests",
@@ -281,6 +287,7 @@ def tune(
     ):
         flags.http_url(flag, value)
     flags.at_least("--max-slots", max_slots, 1)
+    flags.at_least("--min-requests", min_requests, 0)
     flags.at_least("--budget-requests", budget_requests, 1)
     flags.at_least("--tp", tp, 1)
     flags.at_least("--max-batch", max_batch, 1)
@@ -309,8 +316,9 @@ def tune(
             warmup_s=warmup_s,
             window_s=window_s,
             max_window_s=max(max_window_s, window_s),
+            min_requests=min_requests,
             sequential=True,
-            budget_requests=budget_requests,
+            budget_requests=max(budget_requests, min_requests),
         )
         shape = RequestShape(
             prompt_tokens=tune_load.lengths("--prompt-tokens", prompt_tokens),
@@ -412,7 +420,8 @@ def tune(
                 "storage": study,
                 "study": study_name,
                 "window": f"warm-up {plan.warmup_s:g} s, then until the verdict is decided"
-                f" (anytime-valid, 95%), at least {plan.window_s:g} s, at most"
+                f" (anytime-valid, 95%; before {plan.window_s:g} s and {plan.min_requests}"
+                " requests only a clear violation), at most"
                 f" {plan.budget_requests} requests or {plan.max_window_s:g} s",
                 "load": f"closed loop at each trial's max_concurrency; prompt {prompt_tokens}, "
                 f"output {output_tokens} tokens; {endpoint}, {prompt_format} prompts"

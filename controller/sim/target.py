@@ -164,7 +164,9 @@ class SimTarget:
         """One window on ``knobs``; ``whole``: never stopped early (a truth run)."""
         cfg = self.sim_config.denoised() if denoised else self.sim_config
         cfg = replace(
-            cfg, window_s=self.window_s(knobs) * window_scale, warmup_s=self.warmup_s(knobs)
+            cfg,
+            window_s=(self.sim_config.window_s if whole else self.window_s(knobs)) * window_scale,
+            warmup_s=self.warmup_s(knobs),
         )
         result = simulate(
             max_batch_size=min(knobs.max_batch_size, cfg.max_slots),
@@ -182,33 +184,32 @@ class SimTarget:
             self.slo,
             cfg.confidence,
             nominal_s=self.sim_config.window_s * window_scale,
-            min_requests=knobs.max_concurrency,
+            budget=self.budget_requests,
         )
 
-    def _model_rate(self, knobs: Knobs) -> float:
-        """Completions per second the (peak roofline) model predicts at ``knobs``."""
+    def _rate(self, knobs: Knobs) -> float:
+        """Completions per second at ``knobs`` at the simulated decode step (prefill
+        aside): what the live canary sees as requests finish, for sizing its windows."""
         b = max(1, min(knobs.max_batch_size, self.sim_config.max_slots))
-        return b / (self.model_tpot_s(b) * mean_tokens(self.scenario.workload.output))
+        eff = self.efficiency
+        step = eff.overhead_s + self.roofline.step_time_s(b) / eff.factor(b)
+        return b / (step * mean_tokens(self.scenario.workload.output))
 
     def warmup_s(self, knobs: Knobs) -> float:
         """The scenario's warm-up, or long enough for ``WARMUP_TURNOVERS`` times the
-        admission limit's requests to finish (at the simulated decode rate, as the live
-        canary counts them), whichever is longer: the burst that fills an empty engine
-        at a knob change queues its requests, and the first requests a window sees would
-        carry that queue, not the knob's steady state."""
+        admission limit's requests to finish, whichever is longer: the burst that fills
+        an empty engine at a knob change queues its requests, and the first requests a
+        window sees would carry that queue, not the knob's steady state."""
         c = max(1, knobs.max_concurrency)
-        b = max(1, min(knobs.max_batch_size, self.sim_config.max_slots))
-        eff = self.efficiency
-        # the live canary counts completions as they happen: the simulated truth's rate
-        step = eff.overhead_s + self.roofline.step_time_s(b) / eff.factor(b)
-        rate = b / (step * mean_tokens(self.scenario.workload.output))
-        return max(self.sim_config.warmup_s, WARMUP_TURNOVERS * c / rate)
+        return max(self.sim_config.warmup_s, WARMUP_TURNOVERS * c / self._rate(knobs))
 
     def window_s(self, knobs: Knobs) -> float:
-        """How long a window on ``knobs`` may last: the scenario's window, or long enough
-        for ``budget_requests`` at the rate the model predicts there (with 1.5x slack: the
-        model is the peak roofline, faster than the simulated truth), whichever is longer."""
-        return max(self.sim_config.window_s, 1.5 * self.budget_requests / self._model_rate(knobs))
+        """How long a window on ``knobs`` may last: a whole window (``sequential`` off) the
+        scenario's window; a sequential one until ``budget_requests`` have finished (1.25x
+        slack on the rate, then cut at the budget), or the scenario's window if longer."""
+        if not self.sequential:
+            return self.sim_config.window_s
+        return max(self.sim_config.window_s, 1.25 * self.budget_requests / self._rate(knobs))
 
     def measure(self, knobs: Knobs) -> Observation:
         """One noisy window (a fresh seed each call, deterministic in sequence)."""
@@ -248,15 +249,17 @@ def stopped_early(
     confidence: float,
     *,
     nominal_s: float = 0.0,
-    min_requests: int = 0,
+    budget: int | None = None,
 ) -> SimResult:
     """``result`` cut where a reader of every finished request would have stopped it: the
-    first request, from the :data:`MIN_REQUESTS`-th on (and the ``min_requests``-th: the
-    canary passes the admission limit, one turnover of it), at which either SLO is VIOLATED
-    or, from ``nominal_s`` into the window on, both are MET (the window's own requests,
-    anytime-valid). Rejections are prorated to
-    the time kept; the step counts stay the whole run's."""
+    first request, from the :data:`MIN_REQUESTS`-th on, at which either SLO is clearly
+    VIOLATED or, from ``nominal_s`` into the window on, either is VIOLATED or both are MET
+    (:func:`metrics.sequential.first_decision` on the window's own requests). Rejections
+    are prorated to the time kept; the step counts stay the whole run's. Undecided by
+    ``budget`` requests, the window ends there."""
     timings = result.timings
+    if budget is not None and budget < len(timings):
+        timings = timings[:budget]  # undecided by then: the window ends at its budget
     if not timings:
         return result
     ttft = np.array([t.ttft_s for t in timings])  # [n]
@@ -266,7 +269,7 @@ def stopped_early(
             (ttft > slo.ttft_p99_s).astype(float),
             np.where(np.isnan(tpot), np.nan, (tpot > slo.tpot_p99_s).astype(float)),
         ]
-    # a pass stops the window no earlier than the scenario's nominal length
+    # only a clear violation stops the window before the scenario's nominal length
     nominal = int(
         np.searchsorted(
             [t.last_token_s for t in timings], result.observation.start_s + nominal_s, side="right"
@@ -276,10 +279,10 @@ def stopped_early(
         over,
         q=slo.quantile,
         confidence=confidence,
-        start=max(MIN_REQUESTS, min_requests),
-        met_start=nominal,
+        start=MIN_REQUESTS,
+        nominal=nominal,
     )
-    if n >= len(timings):
+    if n >= len(result.timings):
         return result
     obs = result.observation
     end = timings[n - 1].last_token_s
