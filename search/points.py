@@ -8,9 +8,9 @@ over its pooled windows, worst p99s, and both SLOs judged anytime-validly on the
 its fresh windows' requests plus what its neighbours lend under the monotone model
 (:func:`search.evidence.judge`). Stale windows lend no requests. Windows of one knob that
 disagree beyond sampling error, or a knob violating TPOT below a batch that met it, are
-noise: the knob is reported noisy, and its windows are judged one by one, a majority deciding. A study written
-before the counts were stored (or an Observation whose verdicts state no bounds) falls
-back to a majority vote of windows. Pure: no I/O.
+noise: the knob is reported noisy, and its windows are judged one by one, a majority
+deciding. A study written before the counts were stored (or an Observation whose verdicts
+state no bounds) falls back to a majority vote of windows. Pure: no I/O.
 """
 
 from __future__ import annotations
