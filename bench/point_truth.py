@@ -121,6 +121,7 @@ def check_truth(
         price=None,
         shape=shape,
         quiet=True,
+        served=False,  # the truth needs no seed
     )
     out: dict[tuple[int, int], dict[str, Any]] = {}
     try:

@@ -175,9 +175,11 @@ def prepare(
     hardware: str | None = None,
     tp: int = 1,
     max_batch: int | None = None,
+    served: bool = True,
 ) -> Prepared:
     """Start or attach, deploy if needed, pick the actuator and the metrics reader, and plan
-    the search.
+    the search (``served``: for the built-in model on the Ray it started, seeded from the
+    served step, measured once and cached: controller/tune_served.py).
 
     No ``address``, ``app_name`` or ``actuator``: start a local Ray and deploy the built-in
     ``model`` with ``max_slots`` KV slots (the ``embedded`` actuator; the roofline of that
@@ -316,7 +318,7 @@ def prepare(
             slo=slo,
         ),
     )
-    if app == "slotune" and started and hw is not None and searched.seeded:
+    if served and app == "slotune" and started and hw is not None and searched.seeded:
         # slotune's own model on the Ray it started: seed from the served step (the engine
         # in its replica through HTTP streaming), measured once and cached
         from controller.tune_served import served_plan

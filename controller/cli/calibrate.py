@@ -194,6 +194,7 @@ def _served(*, model: str, prompt_tokens: str, output_tokens: str, out: Path | N
             price=None,
             shape=shape,
             quiet=False,
+            served=False,  # this measures the served step itself
         )
         setup = prepared.setup
         target = RayServeTarget(

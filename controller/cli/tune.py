@@ -244,7 +244,14 @@ def tune(
         False, "--quiet", "-q", help="No live progress display.", rich_help_panel=OUT
     ),
 ) -> None:
-    """Find the operating point of a live deployment and export the curve."""
+    """Find the operating point of a live deployment and export the curve.
+
+    Exit codes: 0 a feasible point was found; 2 bad input; 1 a fault; 130 interrupted.
+
+    3 no feasible point: every setting measured was judged to violate the SLO.
+
+    4 undecided: none was shown to meet it, some not to violate it (see the message).
+    """
     from controller.backends.registry import ACTUATORS
     from controller.load.spec import ENDPOINTS, PROMPT_FORMATS
     from controller.progress import Progress, RichProgress
