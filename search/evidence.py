@@ -233,12 +233,12 @@ def judge(
 
 def disagreement(windows: Sequence[Counts]) -> float:
     """The p-value of "these windows share one fraction over the threshold" (1.0: fewer
-    than two windows with requests, or none over it): Fisher's exact test for two windows,
+    than two windows with requests, or none over it, or all): Fisher's exact test for two windows,
     a G-test of homogeneity for more. Small values mean the windows differ beyond sampling
     error: the environment changed between them."""
     rows = [(c.above, c.total - c.above) for c in windows if c.total > 0]
-    if len(rows) < 2 or sum(a for a, _ in rows) == 0:
-        return 1.0
+    if len(rows) < 2 or sum(a for a, _ in rows) == 0 or sum(b for _, b in rows) == 0:
+        return 1.0  # none over the threshold, or all: nothing to disagree about
     from scipy import stats
 
     if len(rows) == 2:

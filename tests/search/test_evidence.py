@@ -150,6 +150,7 @@ def test_disagreement_tells_noise_from_sampling() -> None:
 
     assert disagreement([c(300, 0), c(300, 0)]) == 1.0
     assert disagreement([c(300, 1)]) == 1.0
+    assert disagreement([c(20, 20), c(30, 30), c(25, 25)]) == 1.0  # all over in each
     assert disagreement([c(300, 2), c(280, 3), c(310, 1)]) > 0.1
     # the B=10: one window far over the others
     assert disagreement([c(300, 0), c(280, 14), c(310, 1)]) < 1e-3
