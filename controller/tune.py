@@ -155,6 +155,7 @@ def _tune(
     records: list[TrialRecord] = stored_records(tuner.study.user_attrs)
     resumed = len(records)
     discarded: list[str] = []
+    noisy: dict[Knobs, str] = {}  # knobs whose windows disagreed, and why
     walls: list[float] = []
     stop_reason = ""
     aborted = ""
@@ -201,6 +202,11 @@ def _tune(
                 note = f"re-measured after {len(faults)} faulty window(s): {faults[-1]}" + (
                     f"; {note}" if note else ""
                 )
+            noise = _noise(tuner, knobs)
+            if noise:  # said now, with the figures; the tuner measures the knob again
+                note = f"environment noisy: {noise}" + (f"; {note}" if note else "")
+                progress.message(f"[yellow]environment noisy[/]: {noise}")
+                noisy[knobs] = noise
             rec = TrialRecord.from_observation(
                 number=number,
                 knobs=knobs,
@@ -247,6 +253,8 @@ def _tune(
     )
     if discarded:  # windows across a fault: never data, but the reviewer must know
         meta["discarded_windows"] = f"{len(discarded)}: " + " | ".join(discarded)
+    if noisy:  # windows that disagreed beyond sampling error: the environment, not the knob
+        meta["noise"] = " | ".join(noisy.values())
     report = report.with_trials(records, meta=meta)
     save_to_study(
         tuner, STUDY_META_KEY, {k: v for k, v in report.to_dict().items() if k != "trials"}
@@ -263,6 +271,11 @@ def _tune(
         final_note=note,
         paths=paths,
     )
+
+
+def _noise(tuner: Tuner, knobs: Knobs) -> str:
+    """Why ``knobs``'s windows look noisy to the tuner ("" when they agree)."""
+    return next((p.noise for p in tuner.points() if p.knobs == knobs and p.noise), "")
 
 
 def _time_budget(limits: TuneLimits, records: list[TrialRecord]) -> float:

@@ -778,3 +778,16 @@ def test_the_time_budget_follows_a_slow_request_rate() -> None:
     fast = replace(rec, completed=10_000)
     assert _time_budget(limits, [fast]) == 240.0
     assert _time_budget(replace(limits, budget_requests=0), [rec]) == 240.0
+
+
+def test_windows_that_disagree_are_reported_as_noise(tmp_path: Path) -> None:
+    seen: dict[Knobs, int] = {}
+
+    def over(k: Knobs) -> int:  # the second window of every knob is far slower
+        seen[k] = seen.get(k, 0) + 1
+        return 0 if seen[k] % 2 else 30
+
+    out = run(tmp_path, CountingTarget(over), limits=TuneLimits(max_trials=6, time_budget_s=1e6))
+    noted = [t for t in out.report.trials if "environment noisy" in t.note]
+    assert noted and "disagree beyond sampling error" in noted[0].note
+    assert "0/200, 30/200" in out.report.meta["noise"]
