@@ -30,7 +30,8 @@ concurrency < batch (an admission limit below the batch can never fill it), swep
 batch then concurrency ascending ("grid"); and, reported beside it, the narrower
 band of concurrency 1x/2x/4x the batch ("grid-band"). Baselines keep
 their best single measurement as the incumbent (no re-measurement); slotune
-declares only a point measured feasible twice. The row ``slotune-1w`` scores the same
+declares only a point whose anytime-valid pooled verdicts are MET (search.stop_rule).
+The row ``slotune-1w`` scores the same
 slotune runs by the baselines' incumbent (the best knob measured feasible in one
 window), so its ratios compare like with like; the ``slotune`` row is what it deploys.
 Measurements use common random numbers: the n-th measurement of a knob in a seed
@@ -116,7 +117,7 @@ def run_strategy(
     ours = strategy in ("slotune", "gp-unseeded")
     rule = StopRule(
         max_trials=10_000,
-        confirmations=2 if ours else 1,
+        confirmations=StopRule().confirmations if ours else 1,
         larger_batch_within=larger_batch_within if ours else 0.0,
     )
     tuner = Tuner(

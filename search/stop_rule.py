@@ -87,7 +87,9 @@ class PointSummary:
 
 @dataclass(frozen=True, kw_only=True)
 class StopRule:
-    confirmations: int = 2
+    # One window suffices: the pooled verdicts are anytime-valid (search.evidence), so a
+    # knob judged MET after one window keeps its confidence, and more windows of it pool.
+    confirmations: int = 1
     patience: int = 4
     min_improvement: float = 0.02
     bracket_ratio: float = 1.15
@@ -117,7 +119,7 @@ class StopRule:
         presets = {
             "default": cls(),
             "thorough": cls(confirmations=3, patience=8, min_improvement=0.01, max_trials=80),
-            "quick": cls(confirmations=2, patience=3, min_improvement=0.03, max_trials=20),
+            "quick": cls(confirmations=1, patience=3, min_improvement=0.03, max_trials=20),
         }
         if name not in presets:
             raise ValueError(f"stop rule preset {name!r}: choose one of {sorted(presets)}")

@@ -297,7 +297,7 @@ def test_guide_does_not_dive_on_a_flat_roofline() -> None:
 
 
 def test_seed_first_then_guided_then_remeasure_and_constraints_reach_optuna() -> None:
-    tuner = make()
+    tuner = make(stop_rule=StopRule(confirmations=2))  # the re-measuring path
     fleet = Fleet()
     first = tuner.propose()
     assert first == Knobs(max_batch_size=70, max_concurrency=70)
@@ -320,7 +320,7 @@ def test_seed_first_then_guided_then_remeasure_and_constraints_reach_optuna() ->
 
 
 def test_best_is_not_declared_before_a_remeasurement() -> None:
-    tuner = make(seeded=False)
+    tuner = make(seeded=False, stop_rule=StopRule(confirmations=2))
     k = Knobs(max_batch_size=10, max_concurrency=10)
     tuner.report(k, Fleet()(k))
     assert tuner.best() is None
@@ -429,7 +429,7 @@ def window(*, ok: bool, completed: int, met: int, tpot: float, ttft: float = 0.3
 def test_early_remeasure_only_when_little_is_left_above(
     goodput_completed: int, expect: str
 ) -> None:
-    tuner = make(name=f"e{goodput_completed}")
+    tuner = make(name=f"e{goodput_completed}", stop_rule=StopRule(confirmations=2))
     seed = tuner.propose()  # B=70: over the TPOT SLO, 100 req/s completed
     tuner.report(seed, window(ok=False, completed=1000, met=0, tpot=0.09))
     k = tuner.propose()
