@@ -26,8 +26,15 @@ import typer
 from controller.cli import flags
 from controller.cli.paths import study_storage
 from controller.errors import BadInput, NoFeasiblePoint
-from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, resolve_scenario
+from controller.sim.scenarios import (
+    HELD_OUT_SCENARIOS,
+    SCENARIOS,
+    SLOW_SCENARIOS,
+    resolve_scenario,
+)
 from controller.sim.served import LOCAL
+
+NAMES = [*SCENARIOS, *SLOW_SCENARIOS, *HELD_OUT_SCENARIOS, LOCAL]  # what --scenario takes
 from controller.sim.target import SimTarget
 from metrics.observation import Slo
 from search.space import Knobs
@@ -52,8 +59,8 @@ def simulate_cmd(
         "h100-8b",
         "--scenario",
         "-s",
-        help=f"One of: {', '.join([*SCENARIOS, *HELD_OUT_SCENARIOS, LOCAL])} (local: this "
-        "deployment, from `slotune calibrate --served`).",
+        help=f"One of: {', '.join(NAMES)} (local: this deployment, from `slotune calibrate"
+        " --served`).",
     ),
     served: Path = typer.Option(
         None,
