@@ -33,13 +33,13 @@ from controller.sim.scenarios import (
     resolve_scenario,
 )
 from controller.sim.served import LOCAL
-
-NAMES = [*SCENARIOS, *SLOW_SCENARIOS, *HELD_OUT_SCENARIOS, LOCAL]  # what --scenario takes
 from controller.sim.target import SimTarget
 from metrics.observation import Slo
 from search.space import Knobs
 from search.stop_rule import PointSummary, StopRule
 from search.tuner import SAMPLERS, Tuner, TunerTrial
+
+NAMES = [*SCENARIOS, *SLOW_SCENARIOS, *HELD_OUT_SCENARIOS, LOCAL]  # what --scenario takes
 
 if TYPE_CHECKING:
     from controller.sim.scenarios import Scenario
