@@ -206,10 +206,12 @@ class SimTarget:
     def window_s(self, knobs: Knobs) -> float:
         """How long a window on ``knobs`` may last: a whole window (``sequential`` off) the
         scenario's window; a sequential one until ``budget_requests`` have finished (1.25x
-        slack on the rate, then cut at the budget), or the scenario's window if longer."""
+        slack on the rate, then cut at the budget) but at most :data:`MAX_WINDOW_S` (the
+        live canary's ``--max-window``), or the scenario's window if longer."""
         if not self.sequential:
             return self.sim_config.window_s
-        return max(self.sim_config.window_s, 1.25 * self.budget_requests / self._rate(knobs))
+        budgeted = min(1.25 * self.budget_requests / self._rate(knobs), MAX_WINDOW_S)
+        return max(self.sim_config.window_s, budgeted)
 
     def measure(self, knobs: Knobs) -> Observation:
         """One noisy window (a fresh seed each call, deterministic in sequence)."""
@@ -234,6 +236,9 @@ class SimTarget:
             "context": self.context,
         }
 
+
+# A sequential window lasts at most this long (slotune tune's --max-window default).
+MAX_WINDOW_S = 900.0
 
 # A warm-up lasts at least until this many times the admission limit's requests finished.
 WARMUP_TURNOVERS = 4
