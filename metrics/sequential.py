@@ -104,6 +104,11 @@ def _log_mixture(total: Any, above: Any, p0: float, mixture: Mixture) -> Any:
         terms.append(math.log(weight / kept) + ll)
     if not scalar:
         return np.logaddexp.reduce(np.stack(np.broadcast_arrays(*terms)), axis=0)
+    return log_sum_exp(terms)
+
+
+def log_sum_exp(terms: Sequence[float]) -> float:
+    """ln Σ exp(t) of a few numbers, without overflow (-inf when every term is)."""
     top = max(terms)
     if top == -math.inf:
         return top

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from metrics.observation import SloVerdict, Verdict
 from metrics.samples import exceed_fraction_bounds
-from metrics.sequential import log_e_met, log_e_violated, requests_to_met
+from metrics.sequential import log_e_met, log_e_violated, log_sum_exp, requests_to_met
 
 # Relative tolerance when matching a recomputed Clopper-Pearson bound to the stored one.
 _MATCH_RTOL = 1e-9
@@ -190,11 +190,11 @@ def judge(
     if not own or len({c.confidence for c in every}) != 1:
         return None
     conf = own[0].confidence
-    n, k, k_hi = _sum(own)
+    mine = _sum(own)  # requests, above, above_at_most
+    n, k, k_hi = mine
 
     def side(sign: int, log_e: Callable[[int, int], float], pick: int) -> tuple[float, int]:
-        # pick: 1 for the exceedance count judged (above), 2 for above_at_most
-        base = log_e(n, k_hi if pick == 2 else k)
+        # one side's mixture; pick: which count it judges (1: above, 2: above_at_most)
         terms, rest, lent = [], 1.0, 0
         for j, cs in near.items():
             if j * sign <= 0 or not cs:
@@ -203,12 +203,9 @@ def judge(
             w = borrow_weight(abs(j))
             rest -= w
             lent += tot[0]
-            terms.append(math.log(w) + log_e(n + tot[0], (k_hi if pick == 2 else k) + tot[pick]))
-        terms.append(math.log(rest) + base)
-        top = max(terms)
-        if top == -math.inf:
-            return top, lent
-        return top + math.log(sum(math.exp(t - top) for t in terms)), lent
+            terms.append(math.log(w) + log_e(n + tot[0], mine[pick] + tot[pick]))
+        terms.append(math.log(rest) + log_e(n, mine[pick]))
+        return log_sum_exp(terms), lent
 
     e_met, lent_met = side(+1, lambda t, a: log_e_met(t, a, q=q), 2)
     e_vio, lent_vio = side(-1, lambda t, a: log_e_violated(t, a, q=q), 1)

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from metrics.observation import Observation, Slo, SloVerdict, Verdict
+from metrics.sequential import sequential_verdict
 from search.evidence import Counts, Judgement, borrow_bin, combine, counts_of, disagreement, judge
 from search.space import Knobs
 from search.stop_rule import PointSummary
@@ -195,8 +196,6 @@ def _contradictions(points: list[PointSummary]) -> list[PointSummary]:
 def _majority(windows: Sequence[Attrs], key: str, q: float) -> Verdict:
     """``key``'s verdict by a majority of fresh windows, each judged anytime-validly on its
     own requests: MET or VIOLATED when more than half say so, else INSUFFICIENT."""
-    from metrics.sequential import sequential_verdict
-
     votes = [
         sequential_verdict(
             c.total, c.above, q=q, confidence=c.confidence, above_at_most=c.above_at_most
@@ -238,13 +237,9 @@ def summarize(
 
     ttft_p99, tpot_p99 = worst("ttft_p99_s"), worst("tpot_p99_s")
     if judged is None:
-        judged = {}
-        for key in ("ttft", "tpot"):
-            cs = _fresh(windows, key)
-            judged[key] = None if cs is None else judge(cs, q=slo.quantile) if cs else None
-            if cs is None:
-                judged = None
-                break
+        fresh = {key: _fresh(windows, key) for key in ("ttft", "tpot")}
+        if all(cs is not None for cs in fresh.values()):
+            judged = {key: judge(cs, q=slo.quantile) if cs else None for key, cs in fresh.items()}
     if judged is not None and all(judged.get(k) is None for k in ("ttft", "tpot")):
         # only stale windows: no evidence either way
         ttft_v = tpot_v = Verdict.INSUFFICIENT
