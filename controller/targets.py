@@ -35,8 +35,9 @@ from controller.load.spec import TraceItem, completions_url, saturating_spec
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.windows import WindowReader
 from metrics.build import with_client_goodput
-from metrics.observation import Observation, Slo, Verdict
-from metrics.sequential import EARLY_CONFIDENCE, sequential_verdict
+from metrics.observation import Observation, Slo
+from metrics.sequential import Tally, decided
+from search.evidence import counts_of
 from serving.sim.workload import LengthDist
 
 if TYPE_CHECKING:
@@ -249,10 +250,12 @@ async def measure_window(
             last_look = now
             # before the nominal size, only a clear violation ends the window
             early = elapsed < plan.window_s or n < plan.min_requests
-            if not _decided(_client_counts(done, t0, slo), slo, plan.confidence, early=early):
+            rule = {"q": slo.quantile, "confidence": plan.confidence, "early": early}
+            if not decided(_client_counts(done, t0, slo), **rule):
                 continue
             interim = await read(now)
-            if _decided(_server_counts(interim), slo, plan.confidence, early=early):
+            server = _server_counts(interim)
+            if server is not None and decided(server, **rule):
                 obs, t1 = interim, now
                 break
         if obs is None:
@@ -281,9 +284,6 @@ async def measure_window(
     )
 
 
-Tally = tuple[int, int, int]  # requests, over the threshold, possibly over it
-
-
 def _client_counts(records: list[RequestRecord], t0: float, slo: Slo) -> list[Tally]:
     """The client's TTFT and TPOT tallies of the requests finished since ``t0``."""
     ok = [r for r in records if r.ok and r.done_s >= t0]
@@ -299,8 +299,6 @@ def _client_counts(records: list[RequestRecord], t0: float, slo: Slo) -> list[Ta
 def _server_counts(obs: Observation) -> list[Tally] | None:
     """The counts behind the server's two verdicts (None: some are unknown, or the window
     is stale: then it decides nothing)."""
-    from search.evidence import counts_of
-
     if obs.stale:
         return None
     out = []
@@ -310,24 +308,6 @@ def _server_counts(obs: Observation) -> list[Tally] | None:
             return None
         out.append((c.total, c.above, c.above_at_most))
     return out
-
-
-def _decided(
-    tallies: list[Tally] | None, slo: Slo, confidence: float, *, early: bool = False
-) -> bool:
-    """Whether the anytime-valid verdict on these tallies is decided: either SLO VIOLATED,
-    or both MET; ``early`` (before the window's nominal size): only a violation at
-    :data:`~metrics.sequential.EARLY_CONFIDENCE` (see :func:`metrics.sequential.first_decision`)."""
-    if tallies is None:
-        return False
-    conf = max(confidence, EARLY_CONFIDENCE) if early else confidence
-    verdicts = [
-        sequential_verdict(n, k, q=slo.quantile, confidence=conf, above_at_most=hi).verdict
-        for n, k, hi in tallies
-    ]
-    if early:
-        return Verdict.VIOLATED in verdicts
-    return Verdict.VIOLATED in verdicts or all(v is Verdict.MET for v in verdicts)
 
 
 def _with_times(obs: Observation, start_s: float, end_s: float) -> Observation:

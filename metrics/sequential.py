@@ -182,6 +182,23 @@ def requests_to_met(
 # Before its nominal length, a window stops only on a violation this clear.
 EARLY_CONFIDENCE = 0.995
 
+Tally = tuple[int, int, int]  # requests, over the threshold, possibly over it
+
+
+def decided(tallies: Sequence[Tally], *, q: float, confidence: float, early: bool = False) -> bool:
+    """Whether a window with these tallies (one per SLO) may stop: some SLO VIOLATED or
+    every SLO MET at ``confidence``; ``early`` (before the window's nominal size): only a
+    violation at :data:`EARLY_CONFIDENCE` (the rule :func:`first_decision` applies to a
+    window read after every request)."""
+    conf = max(confidence, EARLY_CONFIDENCE) if early else confidence
+    verdicts = [
+        sequential_verdict(n, k, q=q, confidence=conf, above_at_most=hi).verdict
+        for n, k, hi in tallies
+    ]
+    if early:
+        return Verdict.VIOLATED in verdicts
+    return Verdict.VIOLATED in verdicts or all(v is Verdict.MET for v in verdicts)
+
 
 def first_decision(
     over: Sequence[np.ndarray],
