@@ -1,7 +1,7 @@
 """The truth of operating points: each measured once, quietly, in one long window (issue 19).
 
 Starts the canary's own set-up as ``slotune tune`` with no arguments does it
-(``controller.tune_setup.prepare`` on the CLI's defaults: a local Ray, the built-in model,
+(``controller.tune_setup.prepare_builtin`` on the CLI's defaults: a local Ray, the built-in model,
 its metrics; loopback only), then for each point applies the knobs and measures one window
 of the canary's saturating closed loop until ``--min-requests`` requests have completed
 (or ``--max-window-s``). Its p99 TTFT and TPOT verdicts (``metrics.samples`` on the client's
@@ -86,8 +86,7 @@ def check_truth(
     from controller.cli.tune_backend import ignore_eos
     from controller.target_errors import TargetError, TargetUnavailable
     from controller.targets import RayServeTarget, RequestShape, WindowPlan
-    from controller.tune_plan import DEFAULT_MAX_SLOTS
-    from controller.tune_setup import prepare
+    from controller.tune_setup import prepare_builtin
     from metrics.observation import Slo
     from search.space import Knobs
     from serving.sim.workload import LengthDist
@@ -107,22 +106,8 @@ def check_truth(
         max_window_s=max_window_s,
         min_requests=min_requests,
     )
-    prepared = prepare(
-        address=None,
-        app_name=None,
-        deployment=None,
-        url=None,
-        metrics_url=None,
-        prometheus_url=None,
-        prefix=None,
-        slo=slo,
-        model=model,
-        max_slots=DEFAULT_MAX_SLOTS[model],
-        price=None,
-        shape=shape,
-        quiet=True,
-        served=False,  # the truth needs no seed
-    )
+    # the truth needs no seed: served=False
+    prepared = prepare_builtin(model=model, slo=slo, shape=shape, quiet=True, served=False)
     out: dict[tuple[int, int], dict[str, Any]] = {}
     try:
         s = prepared.setup

@@ -27,6 +27,7 @@ from controller.attach import (
 )
 from controller.errors import BadInput
 from controller.tune_plan import (
+    DEFAULT_MAX_SLOTS,
     SearchPlan,
     hardware_spec,
     own_app_bounds,
@@ -359,6 +360,29 @@ def _make_actuator(name: str, **kw: Any) -> Actuator:
         return make_actuator(name, **kw)
     except (ActuatorError, ActuatorUnavailable, ValueError) as e:
         raise BadInput(f"--actuator {name}: {e}") from None
+
+
+def prepare_builtin(
+    *, model: str, slo: Slo, shape: RequestShape, quiet: bool, served: bool = True
+) -> Prepared:
+    """:func:`prepare` as a bare ``slotune tune`` does: a local Ray this process starts,
+    the built-in ``model`` deployed on it with its default KV slots, no price."""
+    return prepare(
+        address=None,
+        app_name=None,
+        deployment=None,
+        url=None,
+        metrics_url=None,
+        prometheus_url=None,
+        prefix=None,
+        slo=slo,
+        model=model,
+        max_slots=DEFAULT_MAX_SLOTS[model],
+        price=None,
+        shape=shape,
+        quiet=quiet,
+        served=served,
+    )
 
 
 def _prepare_unmanaged(

@@ -160,9 +160,9 @@ def _served(*, model: str, prompt_tokens: str, output_tokens: str, out: Path | N
     from controller.attach import embedded_threads, shutdown_local
     from controller.cli import tune_load
     from controller.targets import RayServeTarget, RequestShape
-    from controller.tune_plan import DEFAULT_MAX_SLOTS, MODELS
+    from controller.tune_plan import MODELS
     from controller.tune_served import SERVED_WINDOW, measure_served, save_served, served_path
-    from controller.tune_setup import SetupFailed, prepare
+    from controller.tune_setup import SetupFailed, prepare_builtin
     from metrics.observation import DEFAULT_SLO
 
     preset = {v: k for k, v in MODELS.items()}.get(model)
@@ -180,21 +180,9 @@ def _served(*, model: str, prompt_tokens: str, output_tokens: str, out: Path | N
     threads = embedded_threads()
     setup = None
     try:
-        prepared = prepare(
-            address=None,
-            app_name=None,
-            deployment=None,
-            url=None,
-            metrics_url=None,
-            prometheus_url=None,
-            prefix=None,
-            slo=DEFAULT_SLO,
-            model=preset,
-            max_slots=DEFAULT_MAX_SLOTS[preset],
-            price=None,
-            shape=shape,
-            quiet=False,
-            served=False,  # this measures the served step itself
+        # served=False: this measures the served step itself
+        prepared = prepare_builtin(
+            model=preset, slo=DEFAULT_SLO, shape=shape, quiet=False, served=False
         )
         setup = prepared.setup
         target = RayServeTarget(
