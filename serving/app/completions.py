@@ -13,7 +13,9 @@ queue wait run from its arrival at the deployment's front door: Serve's HTTP pro
 stamps it before routing (serving/app/front_door.py), so time in Serve's proxy and router
 and in the replica's admission queue is in them. Without a stamp they run from the
 replica's own arrival (the handler's first line), and ``slotune_arrival_clock_total``
-says which clock each request got.
+says which clock each request got. A streamed request with a stamp has its TTFT observed
+by the proxy when the first chunk leaves it (the response's ``TTFT_HANDOFF_HEADER``;
+serving/app/front_door.py), so the replica leaves it out of ``slotune_ttft_seconds``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from serving.app import openai_api as oa
 from serving.app import openai_request as oreq
 from serving.app.admission import Admission, Overloaded, Ticket
 from serving.app.config import ServerArgs
-from serving.app.front_door import front_door_arrival
+from serving.app.front_door import TTFT_HANDOFF_HEADER, front_door_arrival
 from serving.app.serve_metrics import ServeMetrics
 from serving.app.text_output import TextOutput
 from serving.scheduler.plan import RequestTiming
@@ -80,9 +82,10 @@ class CompletionHandler:
         front_door: bool = False,
     ) -> None:
         self.front_door = front_door
-        # request id -> seconds from the front door to the replica (the engine's finish
-        # hook runs on its thread; a dict's pop and set are atomic)
-        self._serve_delays: dict[str, float] = {}
+        # request id -> (seconds from the front door to the replica, whether the proxy
+        # observes its TTFT) (the engine's finish hook runs on its thread; a dict's pop and
+        # set are atomic)
+        self._serve_delays: dict[str, tuple[float, bool]] = {}
         self.engine = engine  # serving.engine.async_engine.AsyncEngine (torch: not imported here)
         self.args = args
         self.admission = admission
@@ -94,15 +97,15 @@ class CompletionHandler:
         self.max_prompt_chars = context * self.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
 
     def on_finish(self, timing: Any) -> None:
-        delay = self._serve_delays.pop(timing.request_id, 0.0)
+        delay, at_proxy = self._serve_delays.pop(timing.request_id, (0.0, False))
         try:
-            self.metrics().record_finish(timing, serve_delay_s=delay)
+            self.metrics().record_finish(timing, serve_delay_s=delay, ttft_at_proxy=at_proxy)
         except Exception:
             logger.exception("could not record metrics for %s", timing)
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         """Answer one completion (``chat``: chat completion) request."""
-        arrival, reached = self._arrival(request)  # the engine's clock: TTFT starts here
+        arrival, reached, stamped = self._arrival(request)  # engine clock: TTFT starts here
         try:
             raw = await self._read_body(request)
             body = oa.parse_json_body(raw)
@@ -131,8 +134,9 @@ class CompletionHandler:
             err = oa.ApiError(str(e), status=429, type="server_overloaded", code="overloaded")
             return json_error(err, headers={"Retry-After": str(e.retry_after_s)})
         except BaseException as e:  # the client left while queued: accepted, not completed
-            self._record_aborted(e, arrival, reached - arrival, None, 0)
+            self._record_aborted(e, None, None, 0)
             raise
+        handoff = self.metrics().handoff if stamped and req.stream else None
         job = _Job(
             req=req,
             prompt_ids=prompt_ids,
@@ -141,19 +145,25 @@ class CompletionHandler:
             arrival=arrival,
             serve_delay_s=reached - arrival,
             stop_ids=stop_ids,
+            ttft_at_proxy=handoff is not None,
         )
-        self._serve_delays[job.cid] = job.serve_delay_s
+        self._serve_delays[job.cid] = (job.serve_delay_s, job.ttft_at_proxy)
         if req.stream:
-            return StreamingResponse(self._stream(job, ticket), media_type=oa.SSE_MEDIA_TYPE)
+            return StreamingResponse(
+                self._stream(job, ticket),
+                media_type=oa.SSE_MEDIA_TYPE,
+                headers=None if handoff is None else {TTFT_HANDOFF_HEADER: handoff},
+            )
         try:
             return await self._complete(job)
         finally:
             ticket.release()
 
-    def _arrival(self, request: Request) -> tuple[float, float]:
-        """``(arrival, reached)`` on the engine's clock: when the request reached the
-        deployment (Serve's proxy stamp, believed only with ``front_door``; else when it
-        reached this replica) and when it reached this replica (now)."""
+    def _arrival(self, request: Request) -> tuple[float, float, bool]:
+        """``(arrival, reached, stamped)``, the first two on the engine's clock: when the
+        request reached the deployment (Serve's proxy stamp, believed only with
+        ``front_door``; else when it reached this replica), when it reached this replica
+        (now), and whether the proxy's stamp was believed."""
         reached = self.engine.engine.clock()
         front = front_door_arrival(
             request.headers, trusted=self.front_door, now_engine=reached, now_wall_ns=time.time_ns()
@@ -162,7 +172,9 @@ class CompletionHandler:
             self.metrics().record_arrival_clock(front_door=front is not None)
         except Exception:
             logger.exception("could not count the arrival clock")
-        return (reached if front is None else min(front, reached)), reached
+        if front is None:
+            return reached, reached, False
+        return min(front, reached), reached, True
 
     def _check_min_tokens(self, min_tokens: int, max_tokens: int, stop_ids: frozenset[int]) -> None:
         if min_tokens > max_tokens:
@@ -283,7 +295,7 @@ class CompletionHandler:
                     if output.stopped == "string":
                         break
         except BaseException as e:
-            self._record_aborted(e, job.arrival, job.serve_delay_s, first, output.tokens, job.cid)
+            self._record_aborted(e, job, first, output.tokens)
             raise
         if output.stopped == "string":
             self._record_stop_string(job, output, first)
@@ -300,29 +312,28 @@ class CompletionHandler:
         return JSONResponse(body)
 
     def _record_aborted(
-        self,
-        e: BaseException,
-        arrival: float,
-        serve_delay_s: float,
-        first: float | None,
-        tokens: int,
-        cid: str | None = None,
+        self, e: BaseException, job: _Job | None, first: float | None, tokens: int
     ) -> None:
         """A request accepted (admitted or queued) that ended before completing: counted
         with what it got (the engine reports only requests that finish). A client that
         disconnects (Serve cancels the replica's task: ``CancelledError`` in the handler,
-        or ``GeneratorExit`` when the stream is closed) is ``client_disconnect``."""
-        if cid is not None:
-            self._serve_delays.pop(cid, None)
+        or ``GeneratorExit`` when the stream is closed) is ``client_disconnect``. ``job``:
+        None before admission (then it had no token)."""
+        if job is not None:
+            self._serve_delays.pop(job.cid, None)
         reason = (
             names.REASON_CLIENT_DISCONNECT
             if isinstance(e, (asyncio.CancelledError, GeneratorExit))
             else names.REASON_ERROR
         )
-        ttft = None if first is None else first - arrival
+        ttft = None if first is None or job is None else first - job.arrival
         try:
             self.metrics().record_aborted(
-                reason=reason, ttft_s=ttft, generated_tokens=tokens, serve_delay_s=serve_delay_s
+                reason=reason,
+                ttft_s=ttft,
+                generated_tokens=tokens,
+                serve_delay_s=0.0 if job is None else job.serve_delay_s,
+                ttft_at_proxy=job is not None and job.ttft_at_proxy,
             )
         except Exception:
             logger.exception("could not record the aborted request")
@@ -366,7 +377,7 @@ class CompletionHandler:
         except BaseException as e:
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 logger.info("request %s cancelled (client gone)", cid)
-            self._record_aborted(e, job.arrival, job.serve_delay_s, first, output.tokens, job.cid)
+            self._record_aborted(e, job, first, output.tokens)
             raise
         finally:
             ticket.release()
@@ -383,6 +394,7 @@ class _Job:
     arrival: float  # engine clock: the front door's stamp, else the replica's arrival
     serve_delay_s: float  # from arrival to the replica's own arrival (Serve's proxy, router)
     stop_ids: frozenset[int]
+    ttft_at_proxy: bool = False  # streamed with a stamp: the proxy observes its TTFT
 
 
 def _too_large(size: int, limit: int) -> oa.ApiError:

@@ -22,7 +22,8 @@ Who uses them and why:
 - Serve's proxy callback (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``, read by
   ray/serve/_private/constants.py; the proxy calls the function it names once and wraps its
   ASGI app in the Starlette middlewares returned: ray/serve/_private/http_util.py
-  ``configure_http_middlewares``): the proxy stamps each request's arrival
+  ``configure_http_middlewares``): the proxy stamps each request's arrival and records
+  the TTFT of streamed responses when their first chunk leaves it
   (serving/app/front_door.py), set for slotune's own cluster by serving/app/cluster.py;
 - the address a bare ``ray.init()`` would attach to (``ray._private.utils.read_ray_address``):
   tests/reliability/test_stale_cluster.py's control.
@@ -138,12 +139,15 @@ PROXY_CALLBACK = "serving.app.ray_private:proxy_middlewares"
 
 def proxy_middlewares() -> list[Any]:
     """The callback Serve's proxy calls: the middleware that stamps each request's arrival
-    at the proxy (serving.app.front_door.ArrivalStamp)."""
+    at the proxy and times the first chunk of streamed responses whose replica hands their
+    TTFT over (serving.app.front_door.ArrivalStamp), recorded through Ray's metrics from
+    the proxy actor (serving.app.serve_metrics.ProxyTtft)."""
     from starlette.middleware import Middleware
 
     from serving.app.front_door import ArrivalStamp
+    from serving.app.serve_metrics import ProxyTtft
 
-    return [Middleware(ArrivalStamp)]
+    return [Middleware(ArrivalStamp, observe=ProxyTtft().observe)]
 
 
 def proxy_stamps_arrival() -> bool:

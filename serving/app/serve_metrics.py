@@ -12,16 +12,21 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from metrics import names
 from metrics.observation import DEFAULT_SLO, Slo
+from serving.app.front_door import HANDOFF_TAGS, handoff_value
 
 logger = logging.getLogger(__name__)
 
 GAUGE_PERIOD_S = 0.5  # below Ray's 1 s minimum report interval
+TTFT_DESCRIPTION = (
+    "Time from arrival at Serve's HTTP proxy (else at the replica) to the first token "
+    "(streamed: when it left the proxy), seconds."
+)
 
 
 class TimingLike(Protocol):
@@ -92,17 +97,21 @@ class ServeMetrics:
     module with the same ``Counter``/``Gauge``/``Histogram`` classes.
     """
 
-    def __init__(self, *, slo: Slo, metrics_module: Any = None) -> None:
+    def __init__(
+        self, *, slo: Slo, metrics_module: Any = None, tags: Mapping[str, str] | None = None
+    ) -> None:
         if metrics_module is None:
             from ray.serve import metrics as metrics_module
+
+            tags = replica_tags() if tags is None else tags  # None: the replica keeps TTFT
         m = metrics_module
         self.slo = slo
+        # The TTFT_HANDOFF_HEADER value of this replica: the tags Ray puts on its metrics,
+        # so the proxy's TTFT observations land in this replica's series; None: no handoff
+        self.handoff = None if tags is None else handoff_value(tags)
         self.buckets = BucketLayout.for_slo(slo)
         self.ttft = m.Histogram(
-            names.TTFT_SECONDS,
-            description="Time from arrival at Serve's HTTP proxy (else at the replica) to the "
-            "first token, seconds.",
-            boundaries=list(self.buckets.ttft),
+            names.TTFT_SECONDS, description=TTFT_DESCRIPTION, boundaries=list(self.buckets.ttft)
         )
         self.replica_ttft = m.Histogram(
             names.REPLICA_TTFT_SECONDS,
@@ -153,15 +162,19 @@ class ServeMetrics:
     def set_slo(self, slo: Slo) -> None:
         self.slo = slo
 
-    def record_finish(self, timing: TimingLike, *, serve_delay_s: float = 0.0) -> None:
+    def record_finish(
+        self, timing: TimingLike, *, serve_delay_s: float = 0.0, ttft_at_proxy: bool = False
+    ) -> None:
         """One completed request: latency histograms, slo_met counter, tokens.
         ``serve_delay_s``: from the front door to the replica (``timing`` runs from the
-        front door), taken off for the replica-clock TTFT."""
+        front door), taken off for the replica-clock TTFT. ``ttft_at_proxy``: the proxy
+        observes this request's front-door TTFT (serving/app/front_door.py), so it is left
+        out of that histogram here; the ``slo_met`` verdict still uses ``timing``'s."""
         ttft = timing.ttft_s
         tpot = _tpot(timing)
         met = self.slo.met(ttft if _finite(ttft) else math.nan, tpot)  # type: ignore[arg-type]
         if _finite(ttft):
-            self._observe_ttft(ttft, serve_delay_s)  # type: ignore[arg-type]
+            self._observe_ttft(ttft, serve_delay_s, ttft_at_proxy)  # type: ignore[arg-type]
         if not math.isnan(tpot):
             self.tpot.observe(max(tpot, 0.0))
         if _finite(timing.queue_wait_s):
@@ -177,20 +190,23 @@ class ServeMetrics:
         ttft_s: float | None,
         generated_tokens: int,
         serve_delay_s: float = 0.0,
+        ttft_at_proxy: bool = False,
     ) -> None:
         """An accepted request (admitted or queued) that ended early (``reason``: one of
         ``names.ABORTED_REASONS``): its first token, if it had one, counts in TTFT and its
         tokens in the token counter, so a window's latency and throughput do not leave out
         the requests clients gave up on; it is not a completed request (no ``slo_met``
-        count, no goodput)."""
+        count, no goodput). ``ttft_at_proxy``: as for :meth:`record_finish` (the proxy
+        observed its TTFT if its first chunk went out)."""
         if _finite(ttft_s):
-            self._observe_ttft(ttft_s, serve_delay_s)  # type: ignore[arg-type]
+            self._observe_ttft(ttft_s, serve_delay_s, ttft_at_proxy)  # type: ignore[arg-type]
         if generated_tokens > 0:
             self.tokens.inc(generated_tokens)
         self.aborted.inc(1, tags={names.LABEL_REASON: reason})
 
-    def _observe_ttft(self, ttft_s: float, serve_delay_s: float) -> None:
-        self.ttft.observe(max(ttft_s, 0.0))
+    def _observe_ttft(self, ttft_s: float, serve_delay_s: float, at_proxy: bool) -> None:
+        if not at_proxy:
+            self.ttft.observe(max(ttft_s, 0.0))
         delay = serve_delay_s if _finite(serve_delay_s) else 0.0
         self.replica_ttft.observe(max(ttft_s - delay, 0.0))
 
@@ -207,6 +223,54 @@ class ServeMetrics:
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
         self.max_batch_size.set(stats.max_batch_size)
+
+
+def replica_tags() -> dict[str, str] | None:
+    """The tags Ray Serve puts on this replica's metrics (ray/serve/metrics.py
+    ``_add_serve_metric_default_tags``: deployment, replica tag, application), from the
+    public ``serve.get_replica_context()``; None outside a replica or without an app name
+    (then Serve adds no application tag, and the replica keeps its TTFT)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        ctx = serve.get_replica_context()
+    except RayServeException:
+        return None
+    if not ctx.app_name:
+        return None
+    return {"application": ctx.app_name, "deployment": ctx.deployment, "replica": ctx.replica_tag}
+
+
+class ProxyTtft:
+    """``slotune_ttft_seconds`` as Serve's HTTP proxy observes it: the TTFT of streamed
+    requests whose replica handed it over (serving/app/front_door.py), with that replica's
+    tags, so Ray's metrics agent adds it to the replica's own series (a histogram
+    recorded from several processes with the same tags is one series:
+    ray/_private/telemetry/open_telemetry_metric_recorder.py ``set_metric_value``).
+
+    ``metrics_module``: ``ray.util.metrics`` in the proxy (made at the first observation,
+    with the name, bounds and tag keys the replicas register); tests may hand another.
+    """
+
+    def __init__(self, *, metrics_module: Any = None) -> None:
+        self._module = metrics_module
+        self._histogram: Any = None
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float, tags: dict[str, str]) -> None:
+        with self._lock:
+            if self._histogram is None:
+                m = self._module
+                if m is None:
+                    from ray.util import metrics as m
+                self._histogram = m.Histogram(
+                    names.TTFT_SECONDS,
+                    description=TTFT_DESCRIPTION,
+                    boundaries=list(names.TTFT_BUCKETS),
+                    tag_keys=HANDOFF_TAGS,
+                )
+        self._histogram.observe(max(seconds, 0.0), tags=tags)
 
 
 class GaugeRefresher:
