@@ -7,9 +7,11 @@ concurrency drives closed-loop streaming load with slotune's load generator
 text minus send time) and reads, from the increase of Ray's exported histograms over the
 same requests, the server's TTFT p50/p99 on both clocks:
 
-- ``front door``: ``slotune_ttft_seconds``, from the proxy's arrival stamp (what the tuner reads);
-- ``replica``: ``slotune_replica_ttft_seconds``, from the replica's own arrival (the
-  clock ``slotune_ttft_seconds`` used before), in the same run.
+- ``front door``: ``slotune_ttft_seconds`` (what the tuner reads): for these streamed
+  requests, from the proxy's arrival stamp to when the first chunk left the proxy, both
+  on the proxy's clock (the replica hands the observation over: serving/app/front_door.py);
+- ``replica``: ``slotune_replica_ttft_seconds``, from the replica's own arrival to its
+  first token (the clock ``slotune_ttft_seconds`` used before the front door), same run.
 
 Server quantiles are PromQL's ``histogram_quantile`` over the contract's buckets (≤ 10%
 apart; interpolated); client quantiles are exact. The admission limit (``--ongoing``) is

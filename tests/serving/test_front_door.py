@@ -1,5 +1,6 @@
 """TTFT from the deployment's front door: the proxy's arrival stamp, its trust rules, the
-replica-clock histogram beside it, and client disconnects mid-stream in the metrics.
+replica-clock histogram beside it, a streamed TTFT observed once (by the proxy, the
+handover header kept from the client), and client disconnects mid-stream in the metrics.
 
 The Ray tests deploy the tiny model on the session cluster (started by
 serving.app.cluster.start_local_ray, whose environment installs the proxy callback) and
@@ -23,6 +24,7 @@ from serving.app import ray_private
 from serving.app.front_door import (
     ARRIVAL_HEADER,
     MAX_STAMP_AGE_S,
+    TTFT_HANDOFF_HEADER,
     ArrivalStamp,
     front_door_arrival,
     stamp_age_s,
@@ -212,6 +214,7 @@ def test_a_client_disconnect_mid_stream_is_counted_with_its_ttft(app) -> None:
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", app.base + "/v1/completions", json=body) as r:
             assert r.status_code == 200
+            assert TTFT_HANDOFF_HEADER not in r.headers  # the proxy took it off
             lines = r.iter_lines()
             got = 0
             for line in lines:
@@ -230,3 +233,26 @@ def test_a_client_disconnect_mid_stream_is_counted_with_its_ttft(app) -> None:
     text = _wait_metrics(app.metrics_url, lambda t: _sum(t, ttft_count) >= c0 + 1)
     assert _sum(text, ttft_count) == c0 + 1
     assert not math.isnan(_sum(text, names.exported(names.TTFT_SECONDS) + "_sum"))
+
+
+@pytest.mark.ray
+def test_a_streamed_ttft_is_observed_once_and_ends_at_the_proxy(app) -> None:
+    ttft, replica = (names.exported(n) for n in (names.TTFT_SECONDS, names.REPLICA_TTFT_SECONDS))
+    before = httpx.get(app.metrics_url, timeout=30).text
+    c0, r0 = _sum(before, ttft + "_count"), _sum(before, replica + "_count")
+    s0, rs0 = _sum(before, ttft + "_sum"), _sum(before, replica + "_sum")
+    body = {"prompt": "one stream", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", app.base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert TTFT_HANDOFF_HEADER not in r.headers
+            assert any(line.startswith("data: ") for line in r.iter_lines())
+    text = _wait_metrics(
+        app.metrics_url,
+        lambda t: _sum(t, ttft + "_count") >= c0 + 1 and _sum(t, replica + "_count") >= r0 + 1,
+    )
+    assert _sum(text, ttft + "_count") == c0 + 1  # the proxy's, not also the replica's
+    assert _sum(text, replica + "_count") == r0 + 1
+    # Ray's agent rebuilds histogram sums from bucket midpoints: compare loosely
+    assert 0 <= _sum(text, ttft + "_sum") - s0 < 50
+    assert 0 <= _sum(text, replica + "_sum") - rs0 < 50
