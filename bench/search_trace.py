@@ -29,7 +29,7 @@ import numpy as np
 import optuna
 import torch
 
-from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS
+from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, SLOW_SCENARIOS
 from search.space import Knobs
 from search.tuner import Tuner
 
@@ -108,7 +108,9 @@ def band(bench, oracle: Knobs, og: float, seeds: int, width: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--scenario", default="cpu-small", choices=sorted({**SCENARIOS, **HELD_OUT_SCENARIOS})
+        "--scenario",
+        default="cpu-small",
+        choices=sorted({**SCENARIOS, **SLOW_SCENARIOS, **HELD_OUT_SCENARIOS}),
     )
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--cap", type=int, default=30)

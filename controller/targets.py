@@ -37,7 +37,7 @@ from controller.windows import WindowReader
 from metrics.build import with_client_goodput
 from metrics.observation import Observation, Slo
 from metrics.sequential import Tally, decided
-from search.evidence import counts_of
+from search.evidence import STOP_MARGIN, counts_of
 from serving.sim.workload import LengthDist
 
 if TYPE_CHECKING:
@@ -250,7 +250,12 @@ async def measure_window(
             last_look = now
             # before the nominal size, only a clear violation ends the window
             early = elapsed < plan.window_s or n < plan.min_requests
-            rule = {"q": slo.quantile, "confidence": plan.confidence, "early": early}
+            rule = {
+                "q": slo.quantile,
+                "confidence": plan.confidence,
+                "early": early,
+                "margin": STOP_MARGIN,
+            }
             if not decided(_client_counts(done, t0, slo), **rule):
                 continue
             interim = await read(now)

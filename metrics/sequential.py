@@ -185,12 +185,29 @@ EARLY_CONFIDENCE = 0.995
 Tally = tuple[int, int, int]  # requests, over the threshold, possibly over it
 
 
-def decided(tallies: Sequence[Tally], *, q: float, confidence: float, early: bool = False) -> bool:
+def _stricter(confidence: float, margin: float) -> float:
+    """The confidence whose threshold is ``confidence``'s raised by ``margin`` nats."""
+    if not (math.isfinite(margin) and margin >= 0):
+        raise ValueError(f"margin={margin!r}: must be a number >= 0 (nats of e-value)")
+    return -math.expm1(math.log1p(-confidence) - margin)
+
+
+def decided(
+    tallies: Sequence[Tally],
+    *,
+    q: float,
+    confidence: float,
+    early: bool = False,
+    margin: float = 0.0,
+) -> bool:
     """Whether a window with these tallies (one per SLO) may stop: some SLO VIOLATED or
     every SLO MET at ``confidence``; ``early`` (before the window's nominal size): only a
     violation at :data:`EARLY_CONFIDENCE` (the rule :func:`first_decision` applies to a
-    window read after every request)."""
+    window read after every request). ``margin``: the deciding e-values must clear their
+    thresholds by this many nats (a window whose requests will be judged mixed with others'
+    must stay decided there: search.evidence.STOP_MARGIN)."""
     conf = max(confidence, EARLY_CONFIDENCE) if early else confidence
+    conf = _stricter(conf, margin)
     verdicts = [
         sequential_verdict(n, k, q=q, confidence=conf, above_at_most=hi).verdict
         for n, k, hi in tallies
@@ -208,6 +225,7 @@ def first_decision(
     start: int = 1,
     nominal: int = 1,
     early_confidence: float = EARLY_CONFIDENCE,
+    margin: float = 0.0,
 ) -> tuple[int, Verdict]:
     """Where a window read after every request would stop. ``over`` holds one float array
     per SLO, all of one length (the window's requests in finish order): 1 where the request
@@ -215,7 +233,7 @@ def first_decision(
     answer has no TPOT). Returns ``(n, verdict)``: the first prefix of at least ``start``
     requests at which some SLO is VIOLATED at ``early_confidence`` or, from the ``nominal``
     prefix on, some SLO is VIOLATED or every SLO is MET at ``confidence``; else the whole
-    window and INSUFFICIENT.
+    window and INSUFFICIENT. ``margin``: as in :func:`decided`.
 
     Why the nominal length: a window stopped at the first MET would leave its p99 and
     goodput estimates biased (it stops where the sample looks best), and the search reads
@@ -227,8 +245,9 @@ def first_decision(
         raise ValueError(f"over: arrays of lengths {[len(x) for x in over]}: need equal lengths")
     if size == 0:
         return 0, Verdict.INSUFFICIENT
-    thr = -math.log1p(-confidence)
-    thr_early = -math.log1p(-early_confidence)
+    thr = -math.log1p(-confidence) + margin
+    thr_early = -math.log1p(-early_confidence) + margin
+    _stricter(confidence, margin)  # validates margin
     met = np.ones(size, dtype=bool)  # [size]
     violated = np.zeros(size, dtype=bool)  # [size]
     clear = np.zeros(size, dtype=bool)  # [size] violated at early_confidence

@@ -41,6 +41,14 @@ _MATCH_RTOL = 1e-9
 # Neighbouring knobs lend requests by bins of this load ratio (judge()).
 BORROW_BIN_RATIO = 1.25
 BORROW_SHARE = 0.25  # the prior weight all neighbour bins on one side share
+# How far (nats) a window's own e-value must clear its threshold before the window stops
+# (metrics.sequential.decided / first_decision's ``margin``). judge() keeps at least
+# 1 - BORROW_SHARE of the weight on the knob's own requests, so a window decided with this
+# margin on its own stays decided when its neighbours are mixed in. Without it, a window
+# that stopped just past 1/alpha read INSUFFICIENT in the tuner as soon as any neighbour
+# on that side had been measured (the mixture pays the neighbours' prior share whatever
+# they say), and was measured again.
+STOP_MARGIN = -math.log1p(-BORROW_SHARE)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ from controller.sim.scenarios import (
 )
 from metrics.observation import Observation, Slo
 from metrics.sequential import first_decision
+from search.evidence import STOP_MARGIN
 from search.roofline.curve import Roofline
 from search.roofline.hardware import resolve_hardware
 from search.roofline.models import resolve_model
@@ -286,6 +287,7 @@ def stopped_early(
         confidence=confidence,
         start=MIN_REQUESTS,
         nominal=nominal,
+        margin=STOP_MARGIN,
     )
     if n >= len(result.timings):
         return result

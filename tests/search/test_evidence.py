@@ -13,8 +13,9 @@ import pytest
 from metrics.build import observation_from_histograms, observation_from_requests
 from metrics.observation import Slo, SloVerdict, Verdict
 from metrics.samples import verdict_from_histogram, verdict_from_samples
-from metrics.sequential import sequential_verdict
+from metrics.sequential import decided, sequential_verdict
 from search.evidence import (
+    STOP_MARGIN,
     Counts,
     borrow_bin,
     borrow_weight,
@@ -133,6 +134,53 @@ def test_borrowing_keeps_the_error_rate_at_the_boundary() -> None:
                 wrong += 1
                 break
     assert wrong / runs <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / runs)
+
+
+def _first_met(margin: float, above: int = 0) -> int:
+    """The fewest requests (``above`` of them over) at which a window may stop MET."""
+    n = 100 * (above + 1)  # past the counts at which ``above`` over would be VIOLATED
+    assert sequential_verdict(n, above).verdict is Verdict.INSUFFICIENT
+    while not decided([(n, above, above)], q=0.99, confidence=0.95, margin=margin):
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("above", [0, 2])
+def test_a_window_stopped_with_the_margin_stays_decided_among_its_neighbours(above: int) -> None:
+    # Heavier neighbours in every bin, all far over the threshold: they lend nothing to MET
+    # but take their whole prior share. A window that stopped the moment its own requests
+    # were MET is then undecided in the tuner; one stopped with STOP_MARGIN is not.
+    bad = [Counts(total=40, above=40, above_at_most=40, confidence=0.95)]
+    heavier = {j: bad for j in range(1, 40)}
+    bare, kept = _first_met(0.0, above), _first_met(STOP_MARGIN, above)
+    assert bare < kept
+    own = Counts(total=bare, above=above, above_at_most=above, confidence=0.95)
+    assert judge([own], q=0.99).verdict is Verdict.MET
+    assert judge([own], q=0.99, neighbours=heavier).verdict is Verdict.INSUFFICIENT
+    own = replace(own, total=kept)
+    assert judge([own], q=0.99, neighbours=heavier).verdict is Verdict.MET
+    # the same on the VIOLATED side, lighter neighbours far under the threshold
+    clean = [Counts(total=2000, above=0, above_at_most=0, confidence=0.95)]
+    lighter = {-j: clean for j in range(1, 40)}
+    n = 8
+    while decided([(n + 1, 8, 8)], q=0.99, confidence=0.95, margin=STOP_MARGIN):
+        n += 1  # the most requests at which 8 over still stops the window VIOLATED
+    assert (
+        judge(
+            [Counts(total=n + 1, above=8, above_at_most=8, confidence=0.95)],
+            q=0.99,
+            neighbours=lighter,
+        ).verdict
+        is Verdict.INSUFFICIENT
+    )
+    own = Counts(total=n, above=8, above_at_most=8, confidence=0.95)
+    assert judge([own], q=0.99, neighbours=lighter).verdict is Verdict.VIOLATED
+
+
+def test_the_stop_margin_must_be_a_non_negative_number() -> None:
+    for bad in (-0.1, math.nan):
+        with pytest.raises(ValueError, match="margin="):
+            decided([(10, 0, 0)], q=0.99, confidence=0.95, margin=bad)
 
 
 def test_borrow_bins_and_weights() -> None:
