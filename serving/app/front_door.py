@@ -28,17 +28,21 @@ replica's own clock is used, and counted: ``slotune_arrival_clock_total``).
 
 Where the clock stops: a streamed response's first token is timed where it leaves the
 front door, not where the replica produced it. The replica cannot see the token's trip
-back (replica -> proxy through Ray's streaming actor call, the proxy's ASGI send) nor a
-first token that decodes to no text yet (the client's first token is its first text):
-together 5-8 ms at concurrency 1 on a 2-core CPU, 10-30% of the TTFT. So a replica that
-believed the stamp of a streamed request hands its TTFT over to the proxy: its response
-carries :data:`TTFT_HANDOFF_HEADER` (the replica's metric tags, :func:`handoff_value`),
-the middleware takes that header off, and when it has handed the response's first
-non-empty body chunk to the HTTP server it observes the TTFT, on its own monotonic clock
-from its own arrival stamp, into ``slotune_ttft_seconds`` with those tags
-(serving/app/serve_metrics.py ``ProxyTtft``), so the series is the replica's. The replica
-then leaves that request out of ``slotune_ttft_seconds`` (it still records everything
-else). A request that ends before its first chunk goes out has no TTFT, as for a client.
+back (replica -> proxy through Ray's streaming actor call, the proxy's ASGI send), nor
+the wait for a second token when the first ends inside a character (a client's first
+token is its first text): 5-8 ms at concurrency 1 on a 2-core CPU, 10-30% of the TTFT
+(bench/client_ttft.py). So a replica that believed the stamp of a streamed request
+hands its TTFT over to the proxy: its response carries :data:`TTFT_HANDOFF_HEADER` (the
+replica's metric tags, :func:`handoff_value`), the middleware takes that header off,
+and once it has handed the response's first non-empty body chunk to the HTTP server it
+observes the TTFT, from its own arrival, on its own monotonic clock, into
+``slotune_ttft_seconds`` with those tags (serving/app/serve_metrics.py ``ProxyTtft``),
+so the series is the replica's. The replica leaves that request out of
+``slotune_ttft_seconds`` and records everything else; its ``slo_met`` verdict still
+ends TTFT at the replica's first token. A request that ends before its first chunk goes
+out has no TTFT, as for its client. Non-streamed responses keep the replica's end.
+The proxy's observation is exported by the node the proxy runs on: read across nodes
+through Prometheus, not by scraping one node.
 """
 
 from __future__ import annotations
