@@ -4,15 +4,18 @@ Runs the simulator's ``local`` scenario (this machine's calibration and served-s
 the canary's default workload and SLO: controller/sim/served.py) and then ``slotune tune``
 with its demo defaults (bounded by ``--time-budget``), and prints the predicted and the
 found operating point (batch, goodput) and their ratios; the target is within 20% in
-both. Needs a served calibration (``slotune calibrate --served``) unless ``--served``.
+both. Needs a served calibration (``slotune calibrate --served``) unless ``--served``; the
+live run measures one first if none is cached. The machine's load average is printed before
+and after (live figures on shared cores move with it).
 
-    .venv/bin/python bench/sim_fidelity.py [--served PATH] [--time-budget 240]
+    .venv/bin/python bench/sim_fidelity.py [--served PATH] [--time-budget 240] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 SLOTUNE = [sys.executable, "-m", "controller"]
 
 
@@ -48,6 +53,25 @@ def live(time_budget: float, out_dir: Path) -> dict:
     return json.loads((out_dir / "curve.json").read_text())
 
 
+def commit() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def served_calibration() -> dict:
+    """The cached served calibration the runs used (when and how long it took), if any."""
+    from controller.attach import embedded_threads
+    from controller.tune_served import served_path
+
+    try:
+        d = json.loads(served_path("cpu", embedded_threads(), "slotune-small").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: d.get(k) for k in ("version", "measured_at", "elapsed_s")}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b in (None, 0) else a / b
 
@@ -56,18 +80,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--served", help="served model JSON (default: this machine's cache)")
     ap.add_argument("--time-budget", type=float, default=240.0, help="slotune tune's budget")
+    ap.add_argument("--out", help="where the live run's report goes (default: a new temp dir)")
     args = ap.parse_args()
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_before = os.getloadavg()
     t0 = time.monotonic()
     sim = simulate(args.served)
     t_sim = time.monotonic() - t0
-    with tempfile.TemporaryDirectory(prefix="slotune-fidelity-") as d:
-        t1 = time.monotonic()
-        rep = live(args.time_budget, Path(d))
-        t_live = time.monotonic() - t1
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="slotune-fidelity-"))
+    t1 = time.monotonic()
+    rep = live(args.time_budget, out_dir)
+    t_live = time.monotonic() - t1
     chosen = sim.get("chosen") or {}
     op = rep.get("operating_point") or {}
     row = {
         "cpu": cpu(),
+        "started": started,
+        "commit": commit(),
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "served_calibration": served_calibration(),
         "sim_seed_batch_roofline": sim.get("seed_batch"),
         "live_seed_batch": rep.get("predicted_batch"),
         "sim_batch": chosen.get("max_batch_size"),
@@ -76,10 +108,19 @@ def main() -> None:
         "live_goodput_rps": op.get("goodput_rps"),
         "sim_s": round(t_sim, 1),
         "live_s": round(t_live, 1),
+        "live_report": str(out_dir),
     }
     row["batch_ratio"] = ratio(row["sim_batch"], row["live_batch"])
     row["goodput_ratio"] = ratio(row["sim_goodput_rps"], row["live_goodput_rps"])
-    print(f"CPU: {row['cpu']}")
+    print(f"CPU: {row['cpu']}; {started}, commit {row['commit']}")
+    print(f"load average before {row['load_before']}, after {row['load_after']}")
+    print("live trials (B, C, goodput req/s, p99 TPOT ms, p99 TTFT ms, feasible):")
+    for t in rep.get("trials") or []:
+        print(
+            f"  {t.get('max_batch_size')} {t.get('max_concurrency')} "
+            f"{t.get('goodput_rps', float('nan')):.2f} {t.get('p99_tpot_ms', float('nan')):.1f} "
+            f"{t.get('p99_ttft_ms', float('nan')):.0f} {t.get('feasible')}"
+        )
     print(f"{'':>10} {'batch':>6} {'goodput req/s':>14}")
     for who in ("sim", "live"):
         g = row[f"{who}_goodput_rps"]

@@ -1,20 +1,44 @@
 """The ``local`` scenario: this deployment as ``slotune tune`` runs it by default, simulated.
 
-slotune's own ``small`` model on this machine's calibrated roofline (the replica's thread
-count), the canary's default workload (16 prompt, 8 output tokens, closed loop at each
-trial's concurrency: an open load far above capacity with no queue stands in for it) and
-SLO, and the served-step model (search/calibrate/served.py) folded into the simulator's
-:class:`~controller.sim.scenarios.Efficiency`: its factor and overhead are fitted so that a
-decode step of B sequences takes the served p50 TPOT at B (:func:`served_efficiency`), and
-the step noise is set from the measured p99/p50 spread (:func:`served_noise_cv`).
-:class:`~controller.sim.target.SimTarget` itself is unchanged; the tuner is told the
-served model (``slotune simulate -s local``), as ``slotune tune`` is.
+slotune's own ``small`` model on this machine's peak roofline (the calibration's bandwidth
+and matmul peak at the replica's thread count), the canary's default workload (16 prompt,
+8 output tokens) and SLO, and the served calibration (search/calibrate/served.py) folded
+into the simulator's :class:`~controller.sim.scenarios.Efficiency`, step noise and load.
+
+What the simulator departed on, measured (2026-12-04, AMD EPYC, 1 thread):
+
+- A served TPOT is not a decode step: between a request's first and last token the engine
+  also prefills the requests that replace finished ones, and the simulator adds those
+  prefills itself. Fitting the decode step alone to the served p50 counted them twice: the
+  simulated p50 came out 1.4-1.6x the measured one at B = 4-16 (p99 158 ms at B=14 where
+  the replica measured 113).
+- The device calibration's decode profile (the calibrated roofline) is slower than the
+  served path at small B on a quiet machine (9.7 ms at B=1, 25 ms at B=4, where the whole
+  served token took 7.8 and 14.7 ms): no efficiency <= 1 fitted it. The peak roofline is a
+  lower bound, as :class:`Efficiency` wants.
+- Live, the engine runs part empty: the serving path (Serve's proxy and router, the HTTP
+  stream, the load generator, on the engine's cores) hands a freed slot its next request
+  late, and the served request rate levels off as B grows (10.6, 18.6, 22.8, 23.8 req/s at
+  B = 1, 4, 10, 16) where a simulated engine with every slot refilled at once went on
+  to ~38 req/s.
+
+So the fit goes through the simulator (:func:`fit_to_served`): the calibration's windows,
+simulated at its batches, with the decode step, the step noise and an open load at the
+serving path's request rate (no queue: a request finding every slot busy is turned away,
+so freed slots wait for the next arrival) adjusted until the simulated p50 TPOT, p99 spread
+and request rate meet the measured ones. :class:`~controller.sim.target.SimTarget` itself
+is unchanged; the tuner is told the served model (``slotune simulate -s local``), as
+``slotune tune`` is.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from controller.sim.scenarios import Efficiency, Scenario
@@ -23,9 +47,20 @@ from search.calibrate.served import ServedModel
 from search.roofline.curve import Roofline
 from serving.sim.workload import LengthDist, Workload
 
+log = logging.getLogger(__name__)
+
 LOCAL = "local"
 P99_Z = 2.326  # standard normal quantile of 0.99
-OVERHEAD_GRID = 24  # overheads tried between 0 and the served intercept
+OVERHEAD_GRID = 24  # overheads tried between 0 and the fastest measured step
+FIT_ROUNDS = 12  # simulate, correct, refit: at most this many times
+FIT_STEP = 0.5  # each correction goes this share of the way (in log)
+FIT_TOLERANCE = 0.03  # stop once every p50 and the mean p99/p50 are within 3%
+FIT_SEED = 1  # the fit's windows are the same numbers every time
+FIT_WINDOW_S = 60.0  # simulated seconds a fit window lasts (p99 of ~500-1500 requests)
+CV_RANGE = (0.02, 0.9)
+# A served step up to this factor faster than the peak roofline is taken for the peak (the
+# machine's bandwidth was measured on a busier day); beyond it, the fit is refused.
+MAX_BELOW_PEAK = 1.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,75 +84,215 @@ class LocalDeployment:
             raise ValueError(f"window_s={self.window_s!r}: must be > 0 seconds")
 
 
-def served_efficiency(served: ServedModel, roofline: Roofline, *, max_batch: int) -> Efficiency:
-    """The :class:`Efficiency` whose decode step ``overhead + roof(B) / f(B)`` comes closest
-    (largest relative miss over B = 1..``max_batch``) to the served p50 TPOT line, with
-    ``f`` pinned to the line at B=1 and B=``max_batch`` for each overhead tried."""
-    ref = max(2, max_batch)
-    batches = sorted({1, 2, 4, 8, 16, 32, 64, ref} & set(range(1, ref + 1)))
-    want = {b: served.tpot_p50_s(b) for b in batches}
-    roof = {b: roofline.step_time_s(b) for b in batches}
+def decode_step_s(eff: Efficiency, roofline: Roofline, batch: int) -> float:
+    """The simulator's decode-only step of ``batch`` sequences under ``eff``."""
+    return eff.overhead_s + roofline.step_time_s(batch) / eff.factor(max(1, batch))
+
+
+def fit_efficiency(want: Mapping[int, float], roofline: Roofline) -> Efficiency:
+    """The :class:`Efficiency` whose decode step comes closest (largest relative miss) to
+    ``want`` (seconds by batch): for each overhead tried and each wanted batch above the
+    smallest as the reference batch, ``f`` pinned to ``want`` at the smallest batch and at
+    the reference (log-linear between, held beyond). A step up to :data:`MAX_BELOW_PEAK`
+    faster than the peak roofline runs at the peak; ValueError when faster still."""
+    lo = min(want)
+    roof = {b: roofline.step_time_s(b) for b in want}
+    refs = [b for b in sorted(want) if b > lo] or [lo]
     best: tuple[float, Efficiency] | None = None
     for i in range(OVERHEAD_GRID):
-        ov = served.p50_intercept_s * i / OVERHEAD_GRID
-        f1 = roof[1] / (want[1] - ov)
-        fr = roof[ref] / (want[ref] - ov)
-        if not (0 < f1 <= 1 and 0 < fr <= 1):
-            continue
-        eff = Efficiency(at_batch_1=f1, at_ref_batch=fr, ref_batch=ref, overhead_s=ov)
-        miss = max(abs((ov + roof[b] / eff.factor(b)) / want[b] - 1) for b in batches)
-        if best is None or miss < best[0]:
-            best = (miss, eff)
+        ov = min(want.values()) * i / OVERHEAD_GRID
+        f1 = roof[lo] / (want[lo] - ov)
+        for ref in refs:
+            fr = roof[ref] / (want[ref] - ov)
+            if max(f1, fr) > MAX_BELOW_PEAK:
+                continue
+            eff = _pinned(f1=min(1.0, f1), fr=min(1.0, fr), lo=lo, ref=ref, overhead_s=ov)
+            miss = max(abs(decode_step_s(eff, roofline, b) / w - 1) for b, w in want.items())
+            if best is None or miss < best[0]:
+                best = (miss, eff)
     if best is None:
         raise ValueError(
-            f"the served p50 TPOT ({served.tpot_p50_s(1) * 1e3:.1f} ms at B=1) is below the "
-            f"calibrated roofline's step ({roof[1] * 1e3:.1f} ms): no efficiency <= 1 fits"
+            f"the served p50 TPOT ({want[lo] * 1e3:.1f} ms at B={lo}) is far below the peak "
+            f"roofline's step ({roof[lo] * 1e3:.1f} ms): no efficiency <= 1 fits"
         )
     return best[1]
 
 
+def _pinned(*, f1: float, fr: float, lo: int, ref: int, overhead_s: float) -> Efficiency:
+    """The Efficiency with factor ``f1`` at batch ``lo`` and ``fr`` at ``ref`` (log-linear
+    in log batch between, extended down to batch 1 and at most 1 there)."""
+    if lo <= 1 or ref <= lo:
+        at1 = f1
+    else:
+        slope = (math.log(fr) - math.log(f1)) / (math.log(ref) - math.log(lo))
+        at1 = min(1.0, math.exp(math.log(f1) - slope * math.log(lo)))
+    return Efficiency(at_batch_1=at1, at_ref_batch=fr, ref_batch=max(2, ref), overhead_s=overhead_s)
+
+
 def served_noise_cv(served: ServedModel) -> float:
-    """Per-step noise whose mean over a request's decode steps spreads p99/p50 as measured
-    (the median ratio over the measured points), within [0.02, 0.9]."""
+    """The first guess of the per-step noise: the one whose mean over a request's decode
+    steps spreads p99/p50 as measured (the median ratio over the measured points), within
+    :data:`CV_RANGE`; :func:`fit_to_served` corrects it through the simulator."""
     steps = max(1.0, served.output_tokens - 1)
     ratios = sorted(p.tpot_p99_s / p.tpot_p50_s for p in served.points)
     r = ratios[len(ratios) // 2]
-    return min(0.9, max(0.02, math.log(max(r, 1.0)) / P99_Z * math.sqrt(steps)))
+    return _clip_cv(math.log(max(r, 1.0)) / P99_Z * math.sqrt(steps))
+
+
+def _clip_cv(cv: float) -> float:
+    return min(CV_RANGE[1], max(CV_RANGE[0], cv))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedFit:
+    """What :func:`fit_to_served` settled on, and how close the simulator came."""
+
+    efficiency: Efficiency
+    step_noise_cv: float
+    load_factor: float  # of the scenario's rate: the serving path's request rate
+    rate_rps: float  # that rate (inf: none measured, the load stays far above capacity)
+    rounds: int
+    # batch -> simulated / measured: p50 TPOT, p99 TPOT, requests per second
+    ratios: Mapping[int, tuple[float, float, float]]
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"B={b}: p50 x{r50:.2f}, p99 x{r99:.2f}, req/s x{rr:.2f}"
+            for b, (r50, r99, rr) in self.ratios.items()
+        )
+
+
+def _measured_rps(served: ServedModel) -> dict[int, float]:
+    """Requests per second each measured window completed (NaN where not recorded)."""
+    return {p.batch: p.tokens_per_s / served.output_tokens for p in served.points}
+
+
+def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
+    """Fit the simulator to the served calibration, through the simulator: simulate ``base``
+    (efficiency, noise and load replaced) at each measured batch, then correct the decode
+    step wanted at B by measured p50 / simulated p50 (and refit the efficiency to it), the
+    step noise by the measured mean log(p99/p50) over the simulated one (the upper half of
+    the measured batches: the SLO knee), and the request rate by the measured requests per
+    second at the largest batch over the simulated ones; until all are within
+    :data:`FIT_TOLERANCE`, at most :data:`FIT_ROUNDS` times (the best round is kept).
+
+    The request rate: live, the serving path (Serve's proxy and router, the HTTP stream
+    and the load generator, on the engine's cores) hands a finished slot its next request
+    only after a delay that grows with the load; the engine runs part empty and the served
+    request rate levels off as B grows (about 24 req/s from B=10 on, measured). An open
+    load at that rate with no queue (a request finding every slot busy is turned away)
+    leaves the simulated engine as underfed; without one (no rate measured) the load stays
+    far above capacity. ValueError when no efficiency <= 1 fits."""
+    from controller.sim.target import SimTarget
+    from search.space import Knobs
+
+    pts = {p.batch: p for p in served.points}
+    rps = _measured_rps(served)
+    top = max(pts)
+    want = {b: p.tpot_p50_s for b, p in pts.items()}
+    upper = sorted(pts)[len(pts) // 2 :]  # where the SLO knee lies: the noise is fitted there
+    spread = sum(math.log(pts[b].tpot_p99_s / pts[b].tpot_p50_s) for b in upper) / len(upper)
+    cv = served_noise_cv(served)
+    unloaded = SimTarget(replace(base, load_factor=1.0))
+    roof, rate_1 = unloaded.roofline, unloaded.rate_rps  # rate_1: the rate at load_factor 1
+    rate = rps[top] if math.isfinite(rps[top]) and rps[top] > 0 else math.inf
+    best: tuple[float, ServedFit] | None = None
+    for rnd in range(1, FIT_ROUNDS + 1):
+        eff = fit_efficiency(want, roof)
+        load = 1.0 if math.isinf(rate) else rate / rate_1
+        sc = replace(
+            base,
+            efficiency=eff,
+            calibrated_efficiency=eff,
+            step_noise_cv=cv,
+            load_factor=load,
+            window_noise_cv=0.0,
+            window_s=FIT_WINDOW_S,
+            calibrated_window_s=FIT_WINDOW_S,
+        )
+        target = SimTarget(sc)
+        ratios: dict[int, tuple[float, float, float]] = {}
+        sim_spread = 0.0
+        for b, p in pts.items():
+            r = target.run(Knobs(max_batch_size=b, max_concurrency=b), seed=FIT_SEED, whole=True)
+            o = r.observation
+            s50, s99 = o.tpot.p50, o.tpot.p99
+            ratios[b] = (s50 / p.tpot_p50_s, s99 / p.tpot_p99_s, o.completed / r.sim_s / rps[b])
+            if b in upper:
+                sim_spread += math.log(s99 / s50) / len(upper)
+        fit = ServedFit(
+            efficiency=eff,
+            step_noise_cv=cv,
+            load_factor=load,
+            rate_rps=rate,
+            rounds=rnd,
+            ratios=ratios,
+        )
+        misses = [abs(r50 - 1) for r50, _, _ in ratios.values()]
+        misses.append(abs(math.exp(sim_spread - spread) - 1))
+        if math.isfinite(rate):
+            misses.append(abs(ratios[top][2] - 1))
+        miss = max(misses)
+        log.debug("served fit round %d: miss %.3f, cv %.3f, %s", rnd, miss, cv, fit.describe())
+        if best is None or miss < best[0]:
+            best = (miss, fit)
+        if miss <= FIT_TOLERANCE:
+            break
+        # Half steps (in log): the rate and the step cost pull on each other (a faster
+        # step empties slots sooner, a higher rate fills them), full ones oscillate.
+        want = {b: w / ratios[b][0] ** FIT_STEP for b, w in want.items()}
+        if sim_spread > 0:
+            cv = _clip_cv(cv * (spread / sim_spread) ** FIT_STEP)
+        if math.isfinite(rate):
+            rate /= ratios[top][2] ** FIT_STEP
+    assert best is not None
+    return best[1]
+
+
+def peak_hardware_path(hardware_path: Path) -> Path:
+    """This machine's peak roofline (the calibration's bandwidth and matmul peak, without
+    its measured decode profile) written as a hardware JSON the scenario can name, in the
+    temporary directory (the same bytes each time)."""
+    from search.roofline.hardware import HardwareSpec
+
+    peak = HardwareSpec.from_json(hardware_path).without_calibration()
+    out = Path(tempfile.gettempdir()) / f"slotune-peak-{hardware_path.stem}.json"
+    tmp = out.with_name(f"{out.name}.{os.getpid()}")
+    peak.to_json(tmp)
+    os.replace(tmp, out)
+    return out
 
 
 def local_scenario(dep: LocalDeployment) -> Scenario:
     """The scenario of this deployment (see the module doc)."""
-    from search.roofline.hardware import HardwareSpec
-    from search.roofline.models import resolve_model
-
     s = dep.served
     prompt, output = round(s.prompt_tokens), round(s.output_tokens)
-    roof = Roofline(
-        model=resolve_model(s.model),
-        hardware=HardwareSpec.from_json(dep.hardware_path),
-        dtype="bf16",
-        context=max(1, round(prompt + output / 2)),
-    )
-    eff = served_efficiency(s, roof, max_batch=dep.max_batch)
-    return Scenario(
+    base = Scenario(
         name=LOCAL,
         model=s.model,
-        hardware=str(dep.hardware_path),
+        hardware=str(peak_hardware_path(dep.hardware_path)),
         slo=dep.slo,
         workload=Workload(
             rate_rps=1.0,
             prompt=LengthDist(kind="fixed", mean=prompt, lo=1, hi=prompt),
             output=LengthDist(kind="fixed", mean=output, lo=1, hi=output),
         ),
-        load_factor=1.0,  # the roofline's capacity at its own point: far above the served
-        efficiency=eff,
-        calibrated_efficiency=eff,
+        load_factor=1.0,  # replaced by the fit's: the serving path's request rate
         max_len=dep.max_len,
         warmup_s=dep.warmup_s,
         window_s=dep.window_s,
-        step_noise_cv=served_noise_cv(s),
         window_noise_cv=0.03,
         headroom_max=dep.headroom_max,
+    )
+    fit = fit_to_served(s, base)
+    return replace(
+        base,
+        efficiency=fit.efficiency,
+        calibrated_efficiency=fit.efficiency,
+        step_noise_cv=fit.step_noise_cv,
+        load_factor=fit.load_factor,
         description=f"this deployment: {s.model} served on {s.device} ({s.threads} thread(s)); "
-        + s.describe(),
+        + s.describe()
+        + f"; served request rate {fit.rate_rps:.1f}/s; simulated at the measured batches: "
+        + fit.describe(),
     )

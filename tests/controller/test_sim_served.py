@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
+from controller.sim.scenarios import VM_EPYC_CPU
 from controller.sim.served import (
     LocalDeployment,
+    decode_step_s,
+    fit_efficiency,
+    fit_to_served,
     local_scenario,
-    served_efficiency,
     served_noise_cv,
 )
 from search.calibrate.served import ServedModel, ServedPoint
 from search.roofline.curve import Roofline
-from search.roofline.hardware import resolve_hardware
 from search.roofline.models import resolve_model
 
 
-def _served() -> ServedModel:
+def _served(**point_kw: float) -> ServedModel:
     pts = [
-        ServedPoint(batch=1, tpot_p50_s=0.015, tpot_p99_s=0.025),
-        ServedPoint(batch=4, tpot_p50_s=0.030, tpot_p99_s=0.050),
-        ServedPoint(batch=16, tpot_p50_s=0.090, tpot_p99_s=0.150),
+        ServedPoint(batch=1, tpot_p50_s=0.015, tpot_p99_s=0.025, **point_kw),
+        ServedPoint(batch=4, tpot_p50_s=0.030, tpot_p99_s=0.050, **point_kw),
+        ServedPoint(batch=16, tpot_p50_s=0.090, tpot_p99_s=0.150, **point_kw),
     ]
     return ServedModel.fit(
         pts, model="slotune-small", device="cpu-x", threads=1, prompt_tokens=16, output_tokens=8
@@ -28,46 +33,99 @@ def _served() -> ServedModel:
 
 
 def _roof() -> Roofline:
-    return Roofline(
-        model=resolve_model("slotune-small"),
-        hardware=resolve_hardware("h100-sxm"),
-        dtype="bf16",
-        context=20,
-    )
+    return Roofline(model=resolve_model("slotune-small"), hardware=VM_EPYC_CPU, context=20)
 
 
-def test_the_efficiency_puts_a_decode_step_on_the_served_p50_line() -> None:
-    s, roof = _served(), _roof()
-    eff = served_efficiency(s, roof, max_batch=128)
-    for b in (1, 4, 16, 128):
-        step = eff.overhead_s + roof.step_time_s(b) / eff.factor(b)
-        assert step == pytest.approx(s.tpot_p50_s(b), rel=0.5)
-    assert eff.factor(1) * 0 + eff.overhead_s < s.tpot_p50_s(1)
+def _hw(tmp_path: Path) -> Path:
+    """A calibration JSON of a 2-core CPU's peaks (the local scenario's kind of device)."""
+    hw = tmp_path / "hw.json"
+    VM_EPYC_CPU.to_json(hw)
+    return hw
 
 
-def test_a_served_path_faster_than_the_roofline_is_refused() -> None:
-    pts = [ServedPoint(batch=b, tpot_p50_s=1e-7, tpot_p99_s=2e-7) for b in (1, 4)]
-    fast = ServedModel.fit(
-        pts, model="slotune-small", device="cpu-x", threads=1, prompt_tokens=16, output_tokens=8
-    )
+def test_the_efficiency_puts_a_decode_step_on_the_wanted_points() -> None:
+    roof = _roof()
+    want = {1: 0.015, 4: 0.030, 16: 0.090}
+    eff = fit_efficiency(want, roof)
+    for b, w in want.items():
+        assert decode_step_s(eff, roof, b) == pytest.approx(w, rel=0.25)
+    # pinned exactly at the smallest batch and at the reference batch
+    assert decode_step_s(eff, roof, 1) == pytest.approx(0.015, rel=1e-6)
+    assert decode_step_s(eff, roof, eff.ref_batch) == pytest.approx(want[eff.ref_batch], rel=1e-6)
+
+
+def test_a_step_a_little_under_the_peak_runs_at_the_peak_far_under_is_refused() -> None:
+    roof = _roof()
+    peak1 = roof.step_time_s(1)
+    eff = fit_efficiency({1: peak1 * 0.9, 4: 0.03}, roof)
+    assert eff.at_batch_1 == 1.0
     with pytest.raises(ValueError, match="no efficiency"):
-        served_efficiency(fast, _roof(), max_batch=16)
+        fit_efficiency({1: 1e-7, 4: 2e-7}, roof)
 
 
-def test_the_noise_spreads_p99_over_p50_as_measured() -> None:
+def test_the_first_noise_guess_spreads_p99_over_p50_as_measured() -> None:
     cv = served_noise_cv(_served())
     assert 0.02 <= cv < 1
 
 
 def test_the_local_scenario_carries_the_canary_defaults(tmp_path) -> None:
-    hw = tmp_path / "hw.json"
-    resolve_hardware("h100-sxm").to_json(hw)
+    hw = _hw(tmp_path)
     sc = local_scenario(LocalDeployment(served=_served(), hardware_path=hw))
     assert sc.workload.prompt.mean == 16 and sc.workload.output.mean == 8
     assert sc.slo.tpot_p99_s == pytest.approx(0.1) and sc.headroom_max == 2.0
     assert sc.efficiency == sc.calibrated_efficiency
+    assert sc.load_factor == 1.0  # no request rate measured: the load stays far above
+    assert "simulated at the measured batches" in sc.description
     with pytest.raises(ValueError, match="max_batch"):
         LocalDeployment(served=_served(), hardware_path=hw, max_batch=0)
+
+
+def _measured_by_the_simulator(hw: Path) -> tuple[ServedModel, float]:
+    """A served calibration taken on a simulated deployment whose decode step, noise and
+    request rate are known (the truth the fit must find again), and that rate."""
+    from controller.sim.scenarios import Efficiency
+    from controller.sim.target import SimTarget
+    from search.space import Knobs
+
+    base = local_scenario(LocalDeployment(served=_served(), hardware_path=hw))
+    true = replace(
+        base,
+        efficiency=Efficiency(at_batch_1=0.5, at_ref_batch=0.2, ref_batch=16, overhead_s=0.004),
+        calibrated_efficiency=None,
+        step_noise_cv=0.3,
+        window_noise_cv=0.0,
+        load_factor=1.0,
+    )
+    rate = 20.0  # req/s: the engine saturates near B=8 at this step cost
+    t = SimTarget(replace(true, load_factor=rate / SimTarget(true).rate_rps))
+    pts = []
+    for b in (1, 4, 10, 16):
+        r = t.run(Knobs(max_batch_size=b, max_concurrency=b), seed=11, whole=True)
+        o = r.observation
+        pts.append(
+            ServedPoint(
+                batch=b,
+                tpot_p50_s=o.tpot.p50,
+                tpot_p99_s=o.tpot.p99,
+                tokens_per_s=o.completed * 8 / r.sim_s,
+            )
+        )
+    served = ServedModel.fit(
+        pts, model="slotune-small", device="cpu-x", threads=1, prompt_tokens=16, output_tokens=8
+    )
+    return served, rate
+
+
+def test_the_fit_finds_a_simulated_deployment_again(tmp_path) -> None:
+    hw = _hw(tmp_path)
+    served, rate = _measured_by_the_simulator(hw)
+    base = local_scenario(LocalDeployment(served=_served(), hardware_path=hw))
+    fit = fit_to_served(served, base)
+    for b, (r50, r99, rr) in fit.ratios.items():
+        assert r50 == pytest.approx(1, abs=0.15), (b, fit.describe())
+        assert r99 == pytest.approx(1, abs=0.35), (b, fit.describe())
+        assert rr == pytest.approx(1, abs=0.2), (b, fit.describe())
+    assert fit.rate_rps == pytest.approx(rate, rel=0.25)
 
 
 def test_the_report_shows_the_predicted_tpot_of_every_trial(tmp_path) -> None:
