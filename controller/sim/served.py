@@ -162,11 +162,6 @@ class ServedFit:
         )
 
 
-def _measured_rps(served: ServedModel) -> dict[int, float]:
-    """Requests per second each measured window completed (NaN where not recorded)."""
-    return {p.batch: p.tokens_per_s / served.output_tokens for p in served.points}
-
-
 def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
     """Fit the simulator to the served calibration, through the simulator: simulate ``base``
     (efficiency, noise and load replaced) at each measured batch, then correct the decode
@@ -175,19 +170,13 @@ def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
     the measured batches: the SLO knee), and the request rate by the measured requests per
     second at the largest batch over the simulated ones; until all are within
     :data:`FIT_TOLERANCE`, at most :data:`FIT_ROUNDS` times (the best round is kept).
-
-    The request rate: live, the serving path (Serve's proxy and router, the HTTP stream
-    and the load generator, on the engine's cores) hands a finished slot its next request
-    only after a delay that grows with the load; the engine runs part empty and the served
-    request rate levels off as B grows (about 24 req/s from B=10 on, measured). An open
-    load at that rate with no queue (a request finding every slot busy is turned away)
-    leaves the simulated engine as underfed; without one (no rate measured) the load stays
-    far above capacity. ValueError when no efficiency <= 1 fits."""
+    The load: an open one at the serving path's request rate (the module doc says why),
+    or, where the calibration recorded no rate, far above capacity. ValueError when no
+    efficiency <= 1 fits."""
     from controller.sim.target import SimTarget
     from search.space import Knobs
 
     pts = {p.batch: p for p in served.points}
-    rps = _measured_rps(served)
     top = max(pts)
     want = {b: p.tpot_p50_s for b, p in pts.items()}
     upper = sorted(pts)[len(pts) // 2 :]  # where the SLO knee lies: the noise is fitted there
@@ -195,7 +184,8 @@ def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
     cv = served_noise_cv(served)
     unloaded = SimTarget(replace(base, load_factor=1.0))
     roof, rate_1 = unloaded.roofline, unloaded.rate_rps  # rate_1: the rate at load_factor 1
-    rate = rps[top] if math.isfinite(rps[top]) and rps[top] > 0 else math.inf
+    top_rps = pts[top].tokens_per_s / served.output_tokens  # NaN where not recorded
+    rate = top_rps if math.isfinite(top_rps) and top_rps > 0 else math.inf
     best: tuple[float, ServedFit] | None = None
     for rnd in range(1, FIT_ROUNDS + 1):
         eff = fit_efficiency(want, roof)
@@ -214,10 +204,11 @@ def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
         ratios: dict[int, tuple[float, float, float]] = {}
         sim_spread = 0.0
         for b, p in pts.items():
-            r = target.run(Knobs(max_batch_size=b, max_concurrency=b), seed=FIT_SEED, whole=True)
-            o = r.observation
+            k = Knobs(max_batch_size=b, max_concurrency=b)
+            o = target.run(k, seed=FIT_SEED, whole=True).observation
             s50, s99 = o.tpot.p50, o.tpot.p99
-            ratios[b] = (s50 / p.tpot_p50_s, s99 / p.tpot_p99_s, o.completed / r.sim_s / rps[b])
+            rr = o.tokens_per_s / p.tokens_per_s  # NaN where the window has no rate
+            ratios[b] = (s50 / p.tpot_p50_s, s99 / p.tpot_p99_s, rr)
             if b in upper:
                 sim_spread += math.log(s99 / s50) / len(upper)
         fit = ServedFit(
