@@ -41,7 +41,9 @@ def _finite_positive(name: str, v: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ServedPoint:
-    """One measured window at ``batch`` = max_batch_size = max_concurrency."""
+    """One measured window at ``batch`` = max_batch_size = max_concurrency. Its
+    ``tokens_per_s`` is what the serving path delivered (the simulator fits its request
+    rate to it: controller/sim/served.py)."""
 
     batch: int
     tpot_p50_s: float
