@@ -194,15 +194,20 @@ class Guide:
         """(largest batch measured feasible, smallest batch above it not proven feasible).
 
         With no feasible point yet, only batches measured *over* an SLO bound it from above
-        (a low batch can be unproven for want of samples, not for being too slow)."""
+        (a low batch can be unproven for want of samples, not for being too slow). A point
+        held for a second window (``marginal``: its one window's p99 within the noise band
+        of an SLO) bounds it from neither side."""
         feas = [p.knobs.max_batch_size for p in points if p.feasible]
         top = max(feas) if feas else None
         over = [
             p.knobs.max_batch_size
             for p in points
-            if (top is not None and not p.feasible and p.knobs.max_batch_size > top)
-            or (not p.tpot_ok and p.tpot_p99_s > self.slo.tpot_p99_s)
-            or (not p.ttft_ok and p.ttft_p99_s > self.slo.ttft_p99_s)
+            if not p.marginal
+            and (
+                (top is not None and not p.feasible and p.knobs.max_batch_size > top)
+                or (not p.tpot_ok and p.tpot_p99_s > self.slo.tpot_p99_s)
+                or (not p.ttft_ok and p.ttft_p99_s > self.slo.ttft_p99_s)
+            )
         ]
         if top is not None:
             over = [b for b in over if b > top]
@@ -233,6 +238,28 @@ class Guide:
             floor = round(over / self.max_step_down)
             return max(lo0, min(max(model, floor), round(over * 0.9), over - 1))
         return model
+
+    def climb(
+        self, points: Sequence[PointSummary], best: PointSummary, *, bracket_ratio: float
+    ) -> Knobs | None:
+        """After guidance, the next batch above the declared ``best`` while nothing within
+        ``bracket_ratio`` of it is known to be over the SLO (:meth:`bracket`): the geometric
+        middle of [largest feasible, smallest over], or 1.25x the largest feasible with
+        nothing over; at ``best``'s headroom. None when bracketed or already measured: under
+        a saturating load goodput grows with the batch, so a smaller batch cannot beat
+        ``best`` and the sampler's turn is better spent above it."""
+        top, over = self.bracket(points)
+        b0 = max(top or 0, best.knobs.max_batch_size)
+        if over is not None and over <= b0 * bracket_ratio:
+            return None
+        hi = self.space.batch_max if over is None else over - 1
+        b = math.ceil(b0 * 1.25) if over is None else round(math.sqrt(b0 * over))
+        b = min(max(b, b0 + 1), hi)
+        if b <= b0:
+            return None
+        h = best.knobs.headroom
+        knobs = self.space.clip(Knobs(max_batch_size=b, max_concurrency=max(b, round(b * h))))
+        return None if any(p.knobs == knobs for p in points) else knobs
 
     def headroom(self, points: Sequence[PointSummary], seed: Knobs) -> float:
         """The seed's headroom, its log halved once per TTFT-violating measurement."""

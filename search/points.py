@@ -74,6 +74,13 @@ def observation_attrs(obs: Observation) -> dict[str, Any]:
 # Windows of one knob whose fractions over a threshold differ with a p-value below this
 # (search.evidence.disagreement) are called noisy: the environment changed between them.
 NOISE_P = 1e-3
+# A verdict that rests on one window whose p99 lies within this fraction of the SLO is
+# held (INSUFFICIENT, PointSummary.marginal) until a second window: a slowdown of that
+# size between windows (a neighbour on the machine, a noisy host) flips it. Where the
+# requests' latencies are alike (long answers: a TPOT averaged over 1,500 tokens) the
+# window's p99 is its level, and a 3% slower window turns all of them over the SLO at once:
+# then one window judges the environment, not the knob.
+NOISE_BAND = 0.05
 
 Window = tuple[Attrs, float, int]  # stored attributes, objective value, trial number
 
@@ -254,6 +261,15 @@ def summarize(
         # judged on its own requests, and the majority of windows decides each SLO.
         ttft_v = _majority(windows, "ttft", slo.quantile)
         tpot_v = _majority(windows, "tpot", slo.quantile)
+    marginal = len(windows) == 1 and _marginal(
+        {"ttft": (ttft_v, ttft_p99, slo.ttft_p99_s), "tpot": (tpot_v, tpot_p99, slo.tpot_p99_s)}
+    )
+    if marginal and judged is not None:
+        held = {
+            k: replace(j, verdict=Verdict.INSUFFICIENT) if j is not None else None
+            for k, j in judged.items()
+        }
+        judged, ttft_v, tpot_v = held, Verdict.INSUFFICIENT, Verdict.INSUFFICIENT
     pooled = combine(ttft_v, tpot_v)
     # Goodput of the pooled windows: their SLO-meeting requests over their total time.
     spans = [a.get("window_s") for a in windows]
@@ -284,4 +300,20 @@ def summarize(
         ttft=None if judged is None else judged.get("ttft"),
         tpot=None if judged is None else judged.get("tpot"),
         noise=noise,
+        marginal=marginal,
     )
+
+
+def _marginal(slos: Mapping[str, tuple[Verdict | None, float, float]]) -> bool:
+    """Whether one window's verdict could flip with a :data:`NOISE_BAND` slowdown: MET
+    with some SLO's p99 within the band under its threshold, or VIOLATED with every
+    violated SLO's p99 within the band over it. ``slos``: (verdict, p99, threshold)."""
+    verdicts = [v for v, _, _ in slos.values()]
+    near = {
+        k: math.isfinite(p99) and abs(p99 / thr - 1) <= NOISE_BAND
+        for k, (_, p99, thr) in slos.items()
+    }
+    if all(v is Verdict.MET for v in verdicts):
+        return any(near.values())
+    violated = [k for k, (v, _, _) in slos.items() if v is Verdict.VIOLATED]
+    return bool(violated) and all(near[k] for k in violated)

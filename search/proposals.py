@@ -4,9 +4,10 @@ In order: the seed, then re-measurement of the best open point when little is le
 it (without a guide: once every seed was measured), then the roofline guide
 (:mod:`search.guide`; without one, the remaining seeds), then
 re-measurement of the best open point and of a doubtful point above the incumbent
-(:mod:`search.remeasure`). docs/search.md gives the reasons. ``reachable`` limits every
-answer to the knobs a staged search can measure under its current cap
-(:func:`search.stages.reachable`).
+(:mod:`search.remeasure`), then a climb above the declared incumbent until a batch over
+the SLO brackets it (:meth:`search.guide.Guide.climb`). docs/search.md gives the reasons.
+``reachable`` limits every answer to the knobs a staged search can measure under its
+current cap (:func:`search.stages.reachable`).
 """
 
 from __future__ import annotations
@@ -94,4 +95,11 @@ def next_fixed(
         again = doubtful(points, declared or best, slo=slo, max_measurements=rule.confirmations)
         if again is not None and ok(again.knobs):
             return Next(knobs=again.knobs, phase="remeasure", guide_done=done)
+        up = (
+            None
+            if declared is None
+            else guide.climb(points, declared, bracket_ratio=rule.bracket_ratio)
+        )
+        if up is not None and ok(up):
+            return Next(knobs=up, phase="climb", guide_done=done)
     return Next(knobs=None, guide_done=done)

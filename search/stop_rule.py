@@ -56,6 +56,9 @@ class PointSummary:
     ttft: Judgement | None = None
     tpot: Judgement | None = None
     noise: str = ""
+    # Its verdicts rest on one window whose p99 lies within search.points.NOISE_BAND of an
+    # SLO: held undecided until a second window (pooled then, or judged by majority).
+    marginal: bool = False
 
     def __post_init__(self) -> None:
         if self.met_windows is None:

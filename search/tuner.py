@@ -42,7 +42,7 @@ from search.stop_rule import PointSummary, StopRule, incumbent, stop_reason
 logger = logging.getLogger(__name__)
 
 SAMPLERS = ("gp", "tpe", "random")
-PHASES = ("seed", "guided", "remeasure", "sampler", "external", "cap")
+PHASES = ("seed", "guided", "remeasure", "climb", "sampler", "external", "cap")
 CONSTRAINT_NAMES = ("ttft_p99_minus_slo_s", "tpot_p99_minus_slo_s")
 METRIC_NAME = "goodput"  # the study's one objective (maximised), requests/s within the SLO
 _GUIDE_DONE = "slotune_guide_done"

@@ -79,3 +79,21 @@ def test_a_violation_below_a_batch_that_met_the_slo_is_noise() -> None:
 def test_stale_windows_lend_nothing() -> None:
     p = _summaries({_k(8): [_window(900, stale=True)]})[_k(8)]
     assert p.pooled is Verdict.INSUFFICIENT and p.ttft is None
+
+
+def test_one_window_within_the_noise_band_is_held_for_a_second() -> None:
+    # p99 TPOT 97 ms against 100: a window 3% slower would have violated it
+    near = _summaries({_k(8): [_window(900, tpot_p99=0.097)]})[_k(8)]
+    assert near.marginal and near.pooled is Verdict.INSUFFICIENT and not near.feasible
+    assert near.tpot is not None and near.tpot.verdict is Verdict.INSUFFICIENT
+    clear = _summaries({_k(8): [_window(900, tpot_p99=0.08)]})[_k(8)]
+    assert not clear.marginal and clear.pooled is Verdict.MET
+    # a second window decides: pooled with the first
+    two = [_window(900, tpot_p99=0.097), _window(900, tpot_p99=0.096)]
+    both = _summaries({_k(8): two})[_k(8)]
+    assert not both.marginal and both.pooled is Verdict.MET
+    # a violation by 2% is held too; by 30% it is not
+    over = _summaries({_k(8): [_window(100, tpot_over=50, tpot_p99=0.102)]})[_k(8)]
+    assert over.marginal and over.pooled is Verdict.INSUFFICIENT
+    far = _summaries({_k(8): [_window(100, tpot_over=50, tpot_p99=0.13)]})[_k(8)]
+    assert not far.marginal and far.pooled is Verdict.VIOLATED

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 from metrics.observation import Slo, Verdict
+from search.guide import Guide
 from search.proposals import next_fixed
-from search.space import Knobs
+from search.space import Knobs, SearchSpace
 from search.stop_rule import PointSummary, StopRule
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.02)
@@ -55,3 +56,52 @@ def test_unseeded_search_measures_every_start_point_before_remeasuring_one() -> 
     assert (nxt.knobs, nxt.phase) == (SEEDS[2], "seed")
     nxt = _next([edge, _point(2, met=1, windows=1), _point(8, met=0, windows=1)], seeds_done=3)
     assert nxt.phase == "remeasure"
+
+
+def _judged(b: int, verdict: Verdict, *, marginal: bool = False) -> PointSummary:
+    met = verdict is Verdict.MET
+    return PointSummary(
+        knobs=Knobs(max_batch_size=b, max_concurrency=b),
+        measurements=1,
+        goodput_rps=float(b),
+        feasible=met,
+        ttft_p99_s=0.5,
+        tpot_p99_s=0.015 if met else 0.03,
+        ttft_ok=True,
+        tpot_ok=met,
+        last_trial=b,
+        first_trial=b,
+        throughput_rps=float(b),
+        pooled=verdict,
+        marginal=marginal,
+    )
+
+
+def test_after_guidance_the_tuner_climbs_above_the_incumbent_until_bracketed() -> None:
+    guide = Guide(
+        model_tpot_s=lambda b: 0.01, space=SearchSpace(batch_min=1, batch_max=256), slo=SLO
+    )
+
+    def nxt(points: list[PointSummary]):
+        return next_fixed(
+            points,
+            rule=StopRule(),
+            slo=SLO,
+            declare_gain=0.02,
+            guide=guide,
+            seeds=SEEDS,
+            seeds_done=1,
+            guided_done=6,
+            guide_over=True,
+        )
+
+    met40, over109 = _judged(40, Verdict.MET), _judged(109, Verdict.VIOLATED)
+    got = nxt([met40, over109])
+    assert got.phase == "climb" and got.knobs == Knobs(max_batch_size=66, max_concurrency=66)
+    # nothing over the SLO yet: a quarter above
+    assert nxt([met40]).knobs == Knobs(max_batch_size=50, max_concurrency=50)
+    # bracketed within the stop rule's ratio: the sampler's turn
+    assert nxt([met40, _judged(45, Verdict.VIOLATED)]).knobs is None
+    # a violation held for a second window does not bracket: the climb goes on below 109
+    held = _judged(45, Verdict.INSUFFICIENT, marginal=True)
+    assert guide.bracket([met40, held, over109]) == (40, 109)
