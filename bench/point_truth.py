@@ -21,6 +21,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,42 +77,53 @@ def judged(m: Any, *, by: str, wall_s: float) -> dict[str, Any]:
     }
 
 
-def check_truth(
-    points: list[tuple[int, int]], *, min_requests: int, max_window_s: float, by: str
-) -> dict[tuple[int, int], dict[str, Any]]:
-    """Each (max_batch_size, max_concurrency) measured once on the default canary's set-up.
-
-    Starts (and shuts down) a local Ray in this process: once per process (Ray caches the
-    token a process has loaded)."""
+@contextmanager
+def default_canary() -> Iterator[tuple[Any, Any, Any]]:
+    """The default canary's set-up, as ``slotune tune`` with no arguments starts it: yields
+    (``controller.tune_setup.Setup``, its SLO, its ``RequestShape``), and shuts the local
+    Ray down after. Once per process (Ray caches the token a process has loaded)."""
     from controller.attach import shutdown_local
     from controller.cli.tune_backend import ignore_eos
-    from controller.target_errors import TargetError, TargetUnavailable
-    from controller.targets import RayServeTarget, RequestShape, WindowPlan
+    from controller.targets import RequestShape
     from controller.tune_setup import prepare_builtin
     from metrics.observation import Slo
-    from search.space import Knobs
     from serving.sim.workload import LengthDist
 
     ttft_ms, tpot_ms = cli_default("slo_ttft_ms"), cli_default("slo_tpot_ms")
     slo = Slo(ttft_p99_s=ttft_ms / 1e3, tpot_p99_s=tpot_ms / 1e3)
-    model = cli_default("model")
     shape = RequestShape(
         prompt_tokens=LengthDist.parse(cli_default("prompt_tokens")),
         output_tokens=LengthDist.parse(cli_default("output_tokens")),
         seed=cli_default("seed"),
         ignore_eos=ignore_eos(None, None, None, True),  # as for the built-in deployment
     )
+    # no seed needed: served=False
+    prepared = prepare_builtin(
+        model=cli_default("model"), slo=slo, shape=shape, quiet=True, served=False
+    )
+    try:
+        yield prepared.setup, slo, shape
+    finally:
+        shutdown_local()
+
+
+def check_truth(
+    points: list[tuple[int, int]], *, min_requests: int, max_window_s: float, by: str
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Each (max_batch_size, max_concurrency) measured once on the default canary's set-up
+    (:func:`default_canary`)."""
+    from controller.target_errors import TargetError, TargetUnavailable
+    from controller.targets import RayServeTarget, WindowPlan
+    from search.space import Knobs
+
     plan = WindowPlan(
         warmup_s=cli_default("warmup_s"),
         window_s=cli_default("window_s"),
         max_window_s=max_window_s,
         min_requests=min_requests,
     )
-    # the truth needs no seed: served=False
-    prepared = prepare_builtin(model=model, slo=slo, shape=shape, quiet=True, served=False)
     out: dict[tuple[int, int], dict[str, Any]] = {}
-    try:
-        s = prepared.setup
+    with default_canary() as (s, slo, shape):
         target = RayServeTarget(
             url=s.url, slo=slo, reader=s.reader, actuator=s.actuator, plan=plan, shape=shape
         )
@@ -126,8 +139,6 @@ def check_truth(
             except (TargetError, TargetUnavailable) as e:
                 out[(b, c)] = {"truth": "unclear", "fault": f"{type(e).__name__}: {e}"}
             print(f"  truth B={b} C={c}: {out[(b, c)]['truth']}", file=sys.stderr, flush=True)
-    finally:
-        shutdown_local()
     return out
 
 
