@@ -13,8 +13,9 @@ tuner spends trials re-measuring. These rules decide where those trials go:
   percent of it, guidance has little left to gain and the tuner re-measures at once.
 - :func:`doubtful`: after guidance, the nearest point above the incumbent that
   failed only for want of evidence (INSUFFICIENT: no p99 over the SLO in any
-  window); one more window pools its requests with the first and may settle it
-  before the sampler takes over.
+  window) or whose one window was too near the SLO to judge the knob rather than
+  the environment (``PointSummary.marginal``); one more window pools its requests
+  with the first (or outvotes it) and may settle it before the climb and the sampler.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def doubtful(
     points: Sequence[PointSummary], top: PointSummary | None, *, slo: Slo, max_measurements: int
 ) -> PointSummary | None:
     """The nearest point above ``top`` that is not feasible, yet had no p99 over the SLO
-    in any window, measured at most ``max_measurements`` times (None: no such point)."""
+    in any window or is held for a second window (``marginal``: its one window's p99 within
+    the noise band of an SLO, either side), measured at most ``max_measurements`` times
+    (None: no such point)."""
     floor = top.knobs.max_batch_size if top is not None else 0
     cands = [
         p
@@ -60,9 +63,14 @@ def doubtful(
         and not p.feasible
         and p.pooled is not Verdict.VIOLATED
         and p.measurements <= max_measurements
-        and math.isfinite(p.tpot_p99_s)
-        and math.isfinite(p.ttft_p99_s)
-        and p.tpot_p99_s <= slo.tpot_p99_s
-        and p.ttft_p99_s <= slo.ttft_p99_s
+        and (
+            p.marginal
+            or (
+                math.isfinite(p.tpot_p99_s)
+                and math.isfinite(p.ttft_p99_s)
+                and p.tpot_p99_s <= slo.tpot_p99_s
+                and p.ttft_p99_s <= slo.ttft_p99_s
+            )
+        )
     ]
     return min(cands, key=lambda p: p.knobs.max_batch_size, default=None)

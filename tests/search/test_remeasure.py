@@ -120,3 +120,13 @@ def test_doubtful_skips_a_pooled_violation() -> None:
     assert doubtful([top, pooled(99, Verdict.VIOLATED)], top, slo=SLO, max_measurements=2) is None
     got = doubtful([top, pooled(99, Verdict.INSUFFICIENT)], top, slo=SLO, max_measurements=2)
     assert got is not None and got.knobs.max_batch_size == 99
+
+
+def test_doubtful_takes_a_violation_held_for_a_second_window() -> None:
+    top = pt(40, n=1, met=1)
+    # one window 2% over the TPOT SLO: held (marginal), measured again before the climb
+    held = replace(pooled(50, Verdict.INSUFFICIENT, tpot=0.051), marginal=True)
+    got = doubtful([top, held], top, slo=SLO, max_measurements=1)
+    assert got is not None and got.knobs.max_batch_size == 50
+    # the same p99 not held (a real violation after its second window): not doubtful
+    assert doubtful([top, replace(held, marginal=False)], top, slo=SLO, max_measurements=1) is None
