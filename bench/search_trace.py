@@ -51,11 +51,15 @@ def _verdicts(o) -> str:
     return f"{one(o.ttft_verdict)}/{one(o.tpot_verdict)}"
 
 
-def trajectories(se, bench, seeds: int, cap: int, og: float) -> list[int]:
+def trajectories(
+    se, bench, seeds: int, cap: int, og: float, larger_batch_within: float = 0.0
+) -> list[int]:
     counts = []
     for seed in range(seeds):
         trace: list[dict] = []
-        n, _ = se.run_strategy(bench, "slotune", seed, cap, og, trace=trace)
+        n, _ = se.run_strategy(
+            bench, "slotune", seed, cap, og, trace=trace, larger_batch_within=larger_batch_within
+        )
         counts.append(n)
         print(f"seed {seed}: {n if n <= cap else f'>{cap}'} trials")
         for row in trace:
@@ -116,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap", type=int, default=30)
     ap.add_argument("--replicates", type=int, default=4)
     ap.add_argument("--band", type=int, default=6, help="batches below the oracle to check")
+    ap.add_argument(
+        "--larger-batch-within",
+        type=float,
+        default=0.0,
+        help="slotune's StopRule.larger_batch_within (as bench/search_efficiency.py)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {args.scenario}: seed {t.seed_knobs()[0]}, oracle {oracle} goodput {og:.2f} rps,"
         f" SLO p99 TTFT {t.slo.ttft_p99_s} s / TPOT {t.slo.tpot_p99_s * 1e3:.0f} ms"
     )
-    counts = trajectories(se, bench, args.seeds, args.cap, og)
+    counts = trajectories(se, bench, args.seeds, args.cap, og, args.larger_batch_within)
     print("declarable band (headroom 1):")
     rows = band(bench, oracle, og, args.seeds, args.band)
     arr = np.asarray(counts, dtype=float)
