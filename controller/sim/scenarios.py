@@ -82,9 +82,10 @@ class Efficiency:
 class Scenario:
     name: str
     model: str
-    # A catalogue name, a JSON path, a SCENARIO_HARDWARE name, or "local-cpu" (this
-    # machine's cached calibration, else LOCAL_CPU: results then depend on the machine).
-    hardware: str
+    # A catalogue name, a JSON path, a SCENARIO_HARDWARE name, "local-cpu" (this machine's
+    # cached calibration, else LOCAL_CPU: results then depend on the machine), or the
+    # HardwareSpec itself (controller/sim/served.py: this machine's peak roofline).
+    hardware: str | HardwareSpec
     tp: int = 1
     dtype: str = "bf16"
     slo: Slo

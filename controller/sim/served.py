@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +43,7 @@ from controller.sim.scenarios import Efficiency, Scenario
 from metrics.observation import DEFAULT_SLO, Slo
 from search.calibrate.served import ServedModel
 from search.roofline.curve import Roofline
+from search.roofline.hardware import HardwareSpec
 from serving.sim.workload import LengthDist, Workload
 
 log = logging.getLogger(__name__)
@@ -240,20 +239,6 @@ def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
     return best[1]
 
 
-def peak_hardware_path(hardware_path: Path) -> Path:
-    """This machine's peak roofline (the calibration's bandwidth and matmul peak, without
-    its measured decode profile) written as a hardware JSON the scenario can name, in the
-    temporary directory (the same bytes each time)."""
-    from search.roofline.hardware import HardwareSpec
-
-    peak = HardwareSpec.from_json(hardware_path).without_calibration()
-    out = Path(tempfile.gettempdir()) / f"slotune-peak-{hardware_path.stem}.json"
-    tmp = out.with_name(f"{out.name}.{os.getpid()}")
-    peak.to_json(tmp)
-    os.replace(tmp, out)
-    return out
-
-
 def local_scenario(dep: LocalDeployment) -> Scenario:
     """The scenario of this deployment (see the module doc)."""
     s = dep.served
@@ -261,7 +246,9 @@ def local_scenario(dep: LocalDeployment) -> Scenario:
     base = Scenario(
         name=LOCAL,
         model=s.model,
-        hardware=str(peak_hardware_path(dep.hardware_path)),
+        # this machine's peak roofline: the calibration's bandwidth and matmul peak, without
+        # its measured decode profile (slower than the served path: see the module doc)
+        hardware=HardwareSpec.from_json(dep.hardware_path).without_calibration(),
         slo=dep.slo,
         workload=Workload(
             rate_rps=1.0,

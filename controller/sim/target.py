@@ -28,7 +28,7 @@ from metrics.observation import Observation, Slo
 from metrics.sequential import first_decision
 from search.evidence import STOP_MARGIN
 from search.roofline.curve import Roofline
-from search.roofline.hardware import resolve_hardware
+from search.roofline.hardware import HardwareSpec, resolve_hardware
 from search.roofline.models import resolve_model
 from search.roofline.operating_point import analyze
 from search.space import Knobs, SearchSpace
@@ -62,7 +62,10 @@ class SimTarget:
         self.sequential = sequential
         self.budget_requests = budget_requests
         self.scenario = sc = scenario
-        if sc.hardware == "local-cpu":
+        if isinstance(sc.hardware, HardwareSpec):
+            self.hardware = sc.hardware
+            self.hardware_source = sc.hardware.source or sc.hardware.name
+        elif sc.hardware == "local-cpu":
             self.hardware, self.hardware_source = local_cpu_hardware()
         elif sc.hardware in SCENARIO_HARDWARE:
             self.hardware = SCENARIO_HARDWARE[sc.hardware]
