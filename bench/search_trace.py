@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicates", type=int, default=4)
     ap.add_argument("--band", type=int, default=6, help="batches below the oracle to check")
     ap.add_argument(
+        "--window-noise-cv",
+        type=float,
+        default=None,
+        help="every window's slowdown drawn with this CV instead of the scenario's",
+    )
+    ap.add_argument(
         "--larger-batch-within",
         type=float,
         default=0.0,
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     se = _load_bench()
-    bench = se.Bench(args.scenario, args.replicates)
+    bench = se.Bench(args.scenario, args.replicates, window_noise_cv=args.window_noise_cv)
     oracle, og = bench.oracle()
     t = bench.target
     print(
