@@ -12,8 +12,9 @@ rule, in order:
 1. ``max_trials`` reached: stop (with or without a feasible point).
 2. No confirmed incumbent: continue.
 3. Bracketed: a point with a larger batch, at most ``bracket_ratio`` times the
-   incumbent's, was judged to violate TPOT (undecided is not enough). Under the monotone physics
-   (TPOT grows with batch) there is no better batch: stop.
+   largest declared batch (the incumbent's or above it), was judged to violate TPOT
+   (undecided is not enough). Under the monotone physics (TPOT grows with batch) there is no
+   better batch: stop.
 4. Stale: the last ``patience`` trials did not raise the incumbent's goodput by
    more than ``min_improvement`` (relative): stop.
 
@@ -162,11 +163,18 @@ def stop_reason(points: Sequence[PointSummary], n_trials: int, rule: StopRule) -
     )
     if best is None:
         return None
-    b = best.knobs.max_batch_size
+    # Bracketed above the largest declared batch: under the monotone model no batch between
+    # the incumbent and it has more goodput than it (the incumbent's higher measured goodput
+    # is the windows' noise), and none above it within the ratio meets TPOT.
+    top = max(
+        (p for p in points if p.feasible and p.declared(rule.confirmations)),
+        key=lambda p: p.knobs.max_batch_size,
+    )
+    b = top.knobs.max_batch_size
     for p in points:
         pb = p.knobs.max_batch_size
         if b < pb <= b * rule.bracket_ratio and _violates_tpot(p):
-            return f"bracketed: {p.knobs} violates TPOT just above the incumbent {best.knobs}"
+            return f"bracketed: {p.knobs} violates TPOT just above {top.knobs}, declared"
     # The trial that last raised the bar by more than min_improvement.
     bar, last_gain = -math.inf, -1
     for p in sorted(points, key=lambda p: p.first_trial):

@@ -116,6 +116,17 @@ RULE = StopRule(
             5,
             "stable",
         ),
+        # the demo's: 16 declared with the best goodput, 17 declared a little below it (the
+        # windows' noise), 19 violates TPOT: within 1.15x of 17, not of 16
+        (
+            [
+                p(16, g=22.6, first=2),
+                p(17, g=22.3, first=1),
+                p(19, g=0.1, feasible=False, tpot_ok=False, n=1, first=0),
+            ],
+            6,
+            "bracketed",
+        ),
         ([p(10, g=5.0, first=0), p(12, g=5.5, first=3, n=1)], 5, None),  # gain 10% at trial 3
         ([p(10, g=5.0, first=0), p(12, g=5.05, first=3, n=1)], 5, "stable"),  # gain 1% only
     ],
