@@ -39,22 +39,19 @@ def test_an_older_cache_is_measured_again(tmp_path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(tune_served, "served_path", lambda *a: path)
     monkeypatch.setattr(tune_served, "measure_served", fake_measure)
-    got, note = tune_served.served_for(
-        object(),  # type: ignore[arg-type]
-        device="cpu",
-        threads=1,
-        model="slotune-small",
-        shape=SHAPE,
-        quiet=True,
-    )
+
+    def served_for():
+        return tune_served.served_for(
+            object(),  # type: ignore[arg-type]
+            device="cpu",
+            threads=1,
+            model="slotune-small",
+            shape=SHAPE,
+            quiet=True,
+        )
+
+    got, note = served_for()
     assert measured == [1] and "measured now" in note and got == _served()
     assert json.loads(path.read_text())["version"] == SERVED_VERSION
-    got2, note2 = tune_served.served_for(
-        object(),  # type: ignore[arg-type]
-        device="cpu",
-        threads=1,
-        model="slotune-small",
-        shape=SHAPE,
-        quiet=True,
-    )
+    got2, note2 = served_for()
     assert measured == [1] and got2 == got and "measured now" not in note2
