@@ -5,8 +5,9 @@ measured was shown to violate it: exit 3) or undecided (some knob was not shown 
 way: exit 4). An undecided run names its best candidate
 (:meth:`controller.report.curve.CurveReport.undecided`), the requests each SLO's
 anytime-valid verdict rests on (:mod:`search.evidence`), and the cheapest thing that
-would decide it: more requests at its measured rate, or a quieter machine when its
-windows disagreed beyond sampling error.
+would decide it: more requests at its measured rate, a quieter machine when its
+windows disagreed beyond sampling error, or a second window when its one window's p99 sat
+within the noise band of the SLO (``PointSummary.marginal``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from typing import Any
 
 from metrics.observation import Slo
+from search.points import NOISE_BAND
 
 
 def undecided_summary(p: Any, slo: Slo) -> str:
@@ -37,7 +39,13 @@ def undecided_summary(p: Any, slo: Slo) -> str:
             need = -1 if more is None or need < 0 else max(need, more)
     text = f"best candidate {p.knobs} ({p.goodput_rps:.2f} req/s within the SLO, "
     text += f"{p.measurements} window(s)): " + "; ".join(parts or ["request counts unknown"])
-    if p.noise:
+    if p.marginal:
+        text += (
+            f". Its one window put a p99 within {NOISE_BAND:.0%} of the SLO, where a slower"
+            " or faster window flips the verdict: a second window decides it (raise"
+            " --max-trials or --time-budget)"
+        )
+    elif p.noise:
         text += (
             f". The environment was noisy: {p.noise}; rerun on a quieter machine, or with"
             " more --max-trials so that it is measured again"
