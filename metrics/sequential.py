@@ -185,10 +185,14 @@ EARLY_CONFIDENCE = 0.995
 Tally = tuple[int, int, int]  # requests, over the threshold, possibly over it
 
 
-def _stricter(confidence: float, margin: float) -> float:
-    """The confidence whose threshold is ``confidence``'s raised by ``margin`` nats."""
+def _check_margin(margin: float) -> None:
     if not (math.isfinite(margin) and margin >= 0):
         raise ValueError(f"margin={margin!r}: must be a number >= 0 (nats of e-value)")
+
+
+def _stricter(confidence: float, margin: float) -> float:
+    """The confidence whose threshold is ``confidence``'s raised by ``margin`` nats."""
+    _check_margin(margin)
     return -math.expm1(math.log1p(-confidence) - margin)
 
 
@@ -245,9 +249,9 @@ def first_decision(
         raise ValueError(f"over: arrays of lengths {[len(x) for x in over]}: need equal lengths")
     if size == 0:
         return 0, Verdict.INSUFFICIENT
+    _check_margin(margin)
     thr = -math.log1p(-confidence) + margin
     thr_early = -math.log1p(-early_confidence) + margin
-    _stricter(confidence, margin)  # validates margin
     met = np.ones(size, dtype=bool)  # [size]
     violated = np.zeros(size, dtype=bool)  # [size]
     clear = np.zeros(size, dtype=bool)  # [size] violated at early_confidence

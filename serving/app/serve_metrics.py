@@ -259,17 +259,18 @@ class ProxyTtft:
         self._lock = threading.Lock()
 
     def observe(self, seconds: float, tags: dict[str, str]) -> None:
-        with self._lock:
-            if self._histogram is None:
-                m = self._module
-                if m is None:
-                    from ray.util import metrics as m
-                self._histogram = m.Histogram(
-                    names.TTFT_SECONDS,
-                    description=TTFT_DESCRIPTION,
-                    boundaries=list(names.TTFT_BUCKETS),
-                    tag_keys=HANDOFF_TAGS,
-                )
+        if self._histogram is None:  # once; every streamed request passes here
+            with self._lock:
+                if self._histogram is None:
+                    m = self._module
+                    if m is None:
+                        from ray.util import metrics as m
+                    self._histogram = m.Histogram(
+                        names.TTFT_SECONDS,
+                        description=TTFT_DESCRIPTION,
+                        boundaries=list(names.TTFT_BUCKETS),
+                        tag_keys=HANDOFF_TAGS,
+                    )
         self._histogram.observe(max(seconds, 0.0), tags=tags)
 
 
