@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from metrics.observation import Slo
+from metrics.observation import Slo, Verdict
 from search.space import Knobs, SearchSpace
 from search.stop_rule import PointSummary
 
@@ -243,12 +243,23 @@ class Guide:
         self, points: Sequence[PointSummary], best: PointSummary, *, bracket_ratio: float
     ) -> Knobs | None:
         """After guidance, the next batch above the declared ``best`` while nothing within
-        ``bracket_ratio`` of it is known to be over the SLO (:meth:`bracket`): the geometric
-        middle of [largest feasible, smallest over], or 1.25x the largest feasible with
-        nothing over; at ``best``'s headroom. None when bracketed or already measured: under
-        a saturating load goodput grows with the batch, so a smaller batch cannot beat
-        ``best`` and the sampler's turn is better spent above it."""
-        top, over = self.bracket(points)
+        ``bracket_ratio`` of it is judged over the SLO: the geometric middle of [largest
+        feasible, smallest judged over], or 1.25x the largest feasible with nothing over; at
+        ``best``'s headroom. None when bracketed or already measured: under a saturating
+        load goodput grows with the batch, so a smaller batch cannot beat ``best`` and the
+        sampler's turn is better spent above it.
+
+        Unlike :meth:`bracket` (which aims guidance and takes any batch above the feasible
+        ones that is not proven feasible for over), a batch left undecided after its windows
+        does not stop the climb: near the SLO one window's slowdown can hold a truly feasible
+        batch undecided, while the next batch up, measured in its own windows, decides."""
+        top, _ = self.bracket(points)
+        above = [
+            p.knobs.max_batch_size
+            for p in points
+            if not p.marginal and _judged_over(p, self.slo) and p.knobs.max_batch_size > (top or 0)
+        ]
+        over = min(above) if above else None
         b0 = max(top or 0, best.knobs.max_batch_size)
         if over is not None and over <= b0 * bracket_ratio:
             return None
@@ -286,6 +297,21 @@ class Guide:
         if knobs in measured:
             return None  # the models point at a measured knob: converged
         return knobs
+
+
+def _judged_over(p: PointSummary, slo: Slo) -> bool:
+    """Either SLO judged VIOLATED on the knob's pooled requests (without request counts:
+    some window's p99 over its bound)."""
+    for judged, ok, p99, bound in (
+        (p.tpot, p.tpot_ok, p.tpot_p99_s, slo.tpot_p99_s),
+        (p.ttft, p.ttft_ok, p.ttft_p99_s, slo.ttft_p99_s),
+    ):
+        if judged is not None:
+            if judged.verdict is Verdict.VIOLATED:
+                return True
+        elif not ok and p99 > bound:
+            return True
+    return False
 
 
 def _log_candidates(lo: int, hi: int) -> list[int]:

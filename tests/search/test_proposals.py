@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from metrics.observation import Slo, Verdict
+from search.evidence import Judgement
 from search.guide import Guide
 from search.proposals import next_fixed
 from search.space import Knobs, SearchSpace
@@ -105,3 +107,33 @@ def test_after_guidance_the_tuner_climbs_above_the_incumbent_until_bracketed() -
     # a violation held for a second window does not bracket: the climb goes on below 109
     held = _judged(45, Verdict.INSUFFICIENT, marginal=True)
     assert guide.bracket([met40, held, over109]) == (40, 109)
+
+
+def test_a_batch_left_undecided_does_not_stop_the_climb() -> None:
+    # Its windows read p99 TPOT just under the SLO but too close to call (one window's
+    # slowdown can do that to a truly feasible batch): the climb passes it, and only a
+    # batch judged VIOLATED bounds it.
+    guide = Guide(
+        model_tpot_s=lambda b: 0.01, space=SearchSpace(batch_min=1, batch_max=256), slo=SLO
+    )
+    met40, over109 = _judged(40, Verdict.MET), _judged(109, Verdict.VIOLATED)
+    judged = Judgement(
+        verdict=Verdict.INSUFFICIENT,
+        total=1000,
+        above=9,
+        above_at_most=9,
+        confidence=0.95,
+        log_e_met=1.0,
+        log_e_violated=0.0,
+    )
+    undecided = replace(
+        _judged(45, Verdict.INSUFFICIENT), measurements=2, tpot_p99_s=0.0198, tpot=judged
+    )
+    # guidance takes it for the upper end of the bracket...
+    assert guide.bracket([met40, undecided, over109]) == (40, 45)
+    # ... the climb does not: between 40 and 109
+    got = guide.climb([met40, undecided, over109], met40, bracket_ratio=1.15)
+    assert got == Knobs(max_batch_size=66, max_concurrency=66)
+    # judged VIOLATED, the same batch ends it
+    violated = replace(undecided, tpot=replace(judged, verdict=Verdict.VIOLATED, above=30))
+    assert guide.climb([met40, violated, over109], met40, bracket_ratio=1.15) is None
