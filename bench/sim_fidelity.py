@@ -5,10 +5,14 @@ the canary's default workload and SLO: controller/sim/served.py) and then ``slot
 with its demo defaults (bounded by ``--time-budget``), and prints the predicted and the
 found operating point (batch, goodput) and their ratios; the target is within 20% in
 both. Needs a served calibration (``slotune calibrate --served``) unless ``--served``; the
-live run measures one first if none is cached. The machine's load average is printed before
-and after (live figures on shared cores move with it).
+live run measures one first if none is cached. ``--calibrate`` measures it afresh first, so
+that the simulator and the live canary see the machine in the same state (a calibration
+taken beside another job, hours before, makes the simulator slower than the canary it is
+compared with). The machine's load average is printed before and after (live figures on
+shared cores move with it).
 
-    .venv/bin/python bench/sim_fidelity.py [--served PATH] [--time-budget 240] [--out DIR]
+    .venv/bin/python bench/sim_fidelity.py [--calibrate | --served PATH] [--time-budget 240]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -45,6 +49,15 @@ def simulate(served: str | None) -> dict:
     return json.loads(out.stdout)
 
 
+def calibrate() -> None:
+    cmd = [*SLOTUNE, "calibrate", "--served"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(
+            f"slotune calibrate --served failed ({out.returncode}): {out.stderr[-2000:]}"
+        )
+
+
 def live(time_budget: float, out_dir: Path) -> dict:
     cmd = [*SLOTUNE, "tune", "--quiet", "--out", str(out_dir), "--time-budget", str(time_budget)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -79,11 +92,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--served", help="served model JSON (default: this machine's cache)")
+    ap.add_argument(
+        "--calibrate", action="store_true", help="measure the served calibration afresh first"
+    )
     ap.add_argument("--time-budget", type=float, default=240.0, help="slotune tune's budget")
     ap.add_argument("--out", help="where the live run's report goes (default: a new temp dir)")
     args = ap.parse_args()
+    if args.calibrate and args.served:
+        raise SystemExit(
+            "--calibrate measures this machine's cached calibration: not with --served"
+        )
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load_before = os.getloadavg()
+    if args.calibrate:
+        calibrate()
     t0 = time.monotonic()
     sim = simulate(args.served)
     t_sim = time.monotonic() - t0

@@ -196,7 +196,9 @@ class Guide:
         With no feasible point yet, only batches measured *over* an SLO bound it from above
         (a low batch can be unproven for want of samples, not for being too slow). A point
         held for a second window (``marginal``: its one window's p99 within the noise band
-        of an SLO) bounds it from neither side."""
+        of an SLO) bounds it from neither side, nor does one left undecided whose every
+        window's p99 lay under both SLOs (its windows too close to the SLO to call, which
+        one window's slowdown does to a truly feasible batch)."""
         feas = [p.knobs.max_batch_size for p in points if p.feasible]
         top = max(feas) if feas else None
         over = [
@@ -204,7 +206,12 @@ class Guide:
             for p in points
             if not p.marginal
             and (
-                (top is not None and not p.feasible and p.knobs.max_batch_size > top)
+                (
+                    top is not None
+                    and not p.feasible
+                    and p.knobs.max_batch_size > top
+                    and not _undecided_under(p, self.slo)
+                )
                 or (not p.tpot_ok and p.tpot_p99_s > self.slo.tpot_p99_s)
                 or (not p.ttft_ok and p.ttft_p99_s > self.slo.ttft_p99_s)
             )
@@ -312,6 +319,12 @@ def _judged_over(p: PointSummary, slo: Slo) -> bool:
         elif not ok and p99 > bound:
             return True
     return False
+
+
+def _undecided_under(p: PointSummary, slo: Slo) -> bool:
+    """Neither SLO judged VIOLATED, and every window's p99 under both bounds."""
+    tpot_under = p.tpot_p99_s <= slo.tpot_p99_s or math.isnan(p.tpot_p99_s)
+    return tpot_under and p.ttft_p99_s <= slo.ttft_p99_s and not _judged_over(p, slo)
 
 
 def _log_candidates(lo: int, hi: int) -> list[int]:

@@ -109,7 +109,7 @@ def test_after_guidance_the_tuner_climbs_above_the_incumbent_until_bracketed() -
     assert guide.bracket([met40, held, over109]) == (40, 109)
 
 
-def test_a_batch_left_undecided_does_not_stop_the_climb() -> None:
+def test_a_batch_left_undecided_under_the_slo_bounds_neither_guidance_nor_the_climb() -> None:
     # Its windows read p99 TPOT just under the SLO but too close to call (one window's
     # slowdown can do that to a truly feasible batch): the climb passes it, and only a
     # batch judged VIOLATED bounds it.
@@ -129,11 +129,15 @@ def test_a_batch_left_undecided_does_not_stop_the_climb() -> None:
     undecided = replace(
         _judged(45, Verdict.INSUFFICIENT), measurements=2, tpot_p99_s=0.0198, tpot=judged
     )
-    # guidance takes it for the upper end of the bracket...
-    assert guide.bracket([met40, undecided, over109]) == (40, 45)
-    # ... the climb does not: between 40 and 109
+    # neither guidance's bracket nor the climb takes it for the upper end: between 40 and 109
+    assert guide.bracket([met40, undecided, over109]) == (40, 109)
     got = guide.climb([met40, undecided, over109], met40, bracket_ratio=1.15)
     assert got == Knobs(max_batch_size=66, max_concurrency=66)
     # judged VIOLATED, the same batch ends it
     violated = replace(undecided, tpot=replace(judged, verdict=Verdict.VIOLATED, above=30))
+    assert guide.bracket([met40, violated, over109]) == (40, 45)
     assert guide.climb([met40, violated, over109], met40, bracket_ratio=1.15) is None
+    # undecided with a window over the SLO: guidance takes it for over, the climb does not
+    over_once = replace(undecided, tpot_p99_s=0.021, tpot_ok=False)
+    assert guide.bracket([met40, over_once, over109]) == (40, 45)
+    assert guide.climb([met40, over_once, over109], met40, bracket_ratio=1.15) == got
