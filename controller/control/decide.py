@@ -1,0 +1,387 @@
+"""One tick of production control, decided: ``decide(signals, state, policy) -> Decision``.
+
+Pure: no I/O and no clock (a window's own end time is "now"), so every rule below is tested
+by tables of cases (tests/controller/test_control_decide.py). The loop that reads windows,
+acts and records lives in :mod:`controller.control.loop`.
+
+Each tick has one of three outcomes:
+
+- ``inconclusive``: a window too thin or too doubtful to judge (fewer than
+  ``min_requests`` completions, a p99 verdict still insufficient, a NaN, stale metrics, a
+  read error, a window that spans a rollout or a replica restart or began before the last
+  change took effect, a window not newer than the last one decided). It **holds**: the
+  limits stay, it is not a failure, and loosening waits for a fresh stabilization window
+  once data returns. (Flagger counts no data as a failure and rolls a canary with no
+  traffic back; Dynamo's planner reads NaN at zero traffic and never scales down: neither.)
+- ``violated``: either p99 judged over its SLO.
+- ``met``: both judged within.
+
+What it does, in order:
+
+1. **Drift**: the deployment runs knobs other than those slotune last wrote (a person,
+   GitOps, an operator resubmitting its config): pause and say so, never fight; ``--ack``
+   adopts the live knobs (:func:`acknowledge`).
+2. **Burn → rollback**: over the last ``burn_window_s`` the share of requests that missed
+   the SLO exceeds ``burn_rate`` times the error budget (1 - the SLO's quantile): re-apply
+   the last known-good knobs at once and latch ``degraded`` until acknowledged (Argo
+   Rollouts' abort). While degraded it may tighten, never loosen.
+3. **Tighten fast**: a violated window, or a met one whose p99 reached ``tighten_at`` of
+   its SLO: TPOT trouble lowers the batch limit (x ``decrease``, at least 1, at most
+   ``max_step`` of it) and the admission limit with it at the same headroom; TTFT trouble
+   alone first lowers the admission limit toward the batch limit (TTFT is mostly queueing
+   there, and a smaller batch would only serve fewer), then the batch.
+4. **Loosen slowly**: only when every conclusive window of the last ``stabilization_s``
+   (and the time since the last change) met both SLOs under ``loosen_below`` of them with
+   demand queueing at the limit (requests rejected or waiting: arrivals beyond what the
+   limit admits, not completions, which the limit itself caps), by ``increase``, and only
+   when the curve predicts the new batch's p99 TPOT under ``tighten_at`` of the SLO. (HPA
+   keeps the highest recommendation of the last 300 s before scaling down; AIMD adds 1 and
+   multiplies by 0.9.)
+5. Otherwise **hold** (within the tolerance band between ``loosen_below`` and
+   ``tighten_at``, or met without queueing: more room would not be used).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+from metrics.observation import Observation, Slo, Verdict
+from search.space import Knobs
+
+
+class Outcome(str, enum.Enum):
+    MET = "met"
+    VIOLATED = "violated"
+    INCONCLUSIVE = "inconclusive"
+
+
+class Action(str, enum.Enum):
+    HOLD = "hold"
+    TIGHTEN = "tighten"
+    LOOSEN = "loosen"
+    ROLLBACK = "rollback"
+    PAUSE = "pause"
+
+
+def _share(name: str, v: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and lo < v < hi):
+        raise ValueError(f"{name}={v!r}: must be a number in ({lo:g}, {hi:g})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How the controller moves the limits (see the module doc for each rule)."""
+
+    slo: Slo
+    batch_max: int
+    batch_min: int = 1
+    headroom: float = 1.0  # admission limit / batch limit, kept when the batch moves
+    concurrency_max: int | None = None  # None: batch_max x headroom
+    tighten_at: float = 0.9
+    loosen_below: float = 0.7
+    decrease: float = 0.9
+    increase: int = 1
+    max_step: float = 0.25
+    stabilization_s: float = 300.0
+    min_requests: int = 100
+    burn_window_s: float = 300.0
+    burn_rate: float = 14.4
+    # (batch, p99 TPOT seconds) of the canary's measured curve, or the roofline's prediction;
+    # empty: p99 TPOT taken to grow in proportion to the batch (the compute-bound worst case)
+    curve: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("batch_min", "batch_max", "increase", "min_requests"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+        if self.batch_max < self.batch_min:
+            raise ValueError(f"batch_max={self.batch_max} < batch_min={self.batch_min}")
+        if not (math.isfinite(self.headroom) and self.headroom >= 1):
+            raise ValueError(f"headroom={self.headroom!r}: must be a number >= 1")
+        if self.concurrency_max is not None and self.concurrency_max < self.batch_max:
+            raise ValueError(
+                f"concurrency_max={self.concurrency_max} < batch_max={self.batch_max}: the "
+                "admission limit must allow the largest batch"
+            )
+        _share("tighten_at", self.tighten_at, hi=1.0 + 1e-9)
+        _share("loosen_below", self.loosen_below)
+        if self.loosen_below >= self.tighten_at:
+            raise ValueError(
+                f"loosen_below={self.loosen_below} >= tighten_at={self.tighten_at}: the "
+                "tolerance band between them would be empty"
+            )
+        _share("decrease", self.decrease)
+        _share("max_step", self.max_step)
+        for name in ("stabilization_s", "burn_window_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v!r}: must be a number of seconds >= 0")
+        if not (math.isfinite(self.burn_rate) and self.burn_rate >= 1):
+            raise ValueError(f"burn_rate={self.burn_rate!r}: must be a number >= 1")
+        for b, t in self.curve:
+            if not (isinstance(b, int) and b >= 1 and math.isfinite(t) and t > 0):
+                raise ValueError(f"curve point ({b!r}, {t!r}): need a batch >= 1, seconds > 0")
+
+    @property
+    def concurrency_limit(self) -> int:
+        if self.concurrency_max is not None:
+            return self.concurrency_max
+        return max(self.batch_max, round(self.batch_max * self.headroom))
+
+    def knobs(self, batch: int, concurrency: int | None = None) -> Knobs:
+        """``batch`` within the bounds, at this policy's headroom (or ``concurrency``)."""
+        b = min(self.batch_max, max(self.batch_min, batch))
+        c = round(b * self.headroom) if concurrency is None else concurrency
+        return Knobs(max_batch_size=b, max_concurrency=min(self.concurrency_limit, max(b, c)))
+
+    def predict_tpot_s(self, batch_from: int, p99_from: float, batch_to: int) -> float:
+        """The p99 TPOT at ``batch_to`` given ``p99_from`` measured at ``batch_from``: the
+        curve's ratio between them (log-log interpolation, flat beyond its ends)."""
+        if len(self.curve) < 2:
+            return p99_from * batch_to / batch_from
+        return p99_from * _on_curve(self.curve, batch_to) / _on_curve(self.curve, batch_from)
+
+
+def _on_curve(curve: tuple[tuple[int, float], ...], b: int) -> float:
+    pts = sorted(curve)
+    if b <= pts[0][0]:
+        return pts[0][1]
+    if b >= pts[-1][0]:
+        # beyond the measured curve: the last segment's slope, never flatter than linear/2
+        (b1, t1), (b2, t2) = pts[-2], pts[-1]
+        slope = max(0.5, math.log(t2 / t1) / math.log(b2 / b1)) if b2 != b1 else 1.0
+        return t2 * (b / b2) ** slope
+    for (b1, t1), (b2, t2) in zip(pts, pts[1:], strict=False):
+        if b1 <= b <= b2:
+            if b2 == b1:
+                return t1
+            w = math.log(b / b1) / math.log(b2 / b1)
+            return math.exp(math.log(t1) + w * (math.log(t2) - math.log(t1)))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _step_down(x: int, policy: Policy) -> int:
+    """``x`` x ``decrease``, by at most ``max_step`` of it and at least 1."""
+    bounded = max(math.floor(x * policy.decrease), math.ceil(x * (1 - policy.max_step)))
+    return min(x - 1, bounded)
+
+
+@dataclass(frozen=True, kw_only=True)
+class State:
+    """What the controller remembers between ticks (persisted: controller/control/store.py)."""
+
+    knobs: Knobs  # what slotune last wrote (or found when it started)
+    last_good: Knobs | None = None  # the latest knobs a window met the SLO comfortably on
+    degraded: str = ""  # why a rollback latched ("" when not)
+    calm_since: float | None = None  # since when every conclusive window allowed loosening
+    last_change_s: float = -math.inf  # when slotune last changed the knobs
+    last_end_s: float = -math.inf  # the end of the newest window decided
+    # (window end, completed, missed the SLO) of the windows within the burn window
+    burn: tuple[tuple[float, int, int], ...] = ()
+    ticks: int = 0
+    holds: int = 0
+    rollbacks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signals:
+    """One tick's input: the window's Observation, and what the loop saw around it."""
+
+    observation: Observation
+    live: Knobs | None = None  # the knobs the deployment runs now (None: not readable)
+    fault: str = ""  # the window spans a rollout or replica restart, or could not be read
+    waiting: float = math.nan  # requests waiting for admission at the window's end
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    outcome: Outcome
+    action: Action
+    knobs: Knobs  # the knobs to run from now on (the state's, unless acting)
+    reason: str
+    state: State
+    predicted_tpot_s: float = math.nan  # for a loosening: the curve's p99 TPOT at the new batch
+
+    @property
+    def changes(self) -> bool:
+        return self.action in (Action.TIGHTEN, Action.LOOSEN, Action.ROLLBACK)
+
+
+def acknowledge(state: State, live: Knobs | None) -> State:
+    """An operator's ``--ack``: clear the degraded latch and adopt the live knobs (after a
+    drift pause); loosening waits a fresh stabilization window."""
+    return replace(state, degraded="", knobs=live or state.knobs, calm_since=None)
+
+
+def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
+    o = sig.observation
+    if sig.fault:
+        return sig.fault
+    if o.stale:
+        return f"stale metrics ({o.note or 'the newest sample is too old'})"
+    if not o.end_s > state.last_end_s:
+        return f"the window ending {o.end_s:.0f} is not newer than the last one decided"
+    if o.start_s < state.last_change_s:
+        return "the window began before the last change took effect"
+    if o.completed < policy.min_requests:
+        return f"{o.completed} requests completed (< {policy.min_requests} for a p99 verdict)"
+    verdicts = (o.ttft_verdict, o.tpot_verdict)
+    if any(v is not None and v.verdict is Verdict.VIOLATED for v in verdicts):
+        return ""  # a violation judged on one side is conclusive whatever the other says
+    for name, v in zip(("TTFT", "TPOT"), verdicts, strict=True):
+        if v is None or v.verdict is not Verdict.MET or not math.isfinite(v.estimate_s):
+            return f"p99 {name} not decided ({'no verdict' if v is None else v.verdict.value})"
+    return ""
+
+
+def _share_of_slo(o: Observation, slo: Slo) -> tuple[float, float]:
+    def share(v: object, bound: float) -> float:
+        est = getattr(v, "estimate_s", math.nan)
+        return est / bound if math.isfinite(est) else math.nan
+
+    return share(o.ttft_verdict, slo.ttft_p99_s), share(o.tpot_verdict, slo.tpot_p99_s)
+
+
+def decide(signals: Signals, state: State, policy: Policy) -> Decision:
+    """The tick's outcome and action (see the module doc)."""
+    o = signals.observation
+    now = o.end_s
+    st = replace(state, ticks=state.ticks + 1)
+    cur = st.knobs
+
+    def hold(outcome: Outcome, why: str, **kw: object) -> Decision:
+        s = replace(st, holds=st.holds + 1, **kw)  # type: ignore[arg-type]
+        return Decision(outcome=outcome, action=Action.HOLD, knobs=cur, reason=why, state=s)
+
+    # 1. someone else's knobs: pause
+    if signals.live is not None and signals.live != cur:
+        return Decision(
+            outcome=Outcome.INCONCLUSIVE,
+            action=Action.PAUSE,
+            knobs=cur,
+            reason=(
+                f"the deployment runs {signals.live} but slotune last wrote {cur}: changed "
+                "by someone else; paused, not fighting (slotune control --ack adopts it)"
+            ),
+            state=replace(st, calm_since=None),
+        )
+
+    why = _inconclusive_why(signals, st, policy)
+    if why:
+        return hold(Outcome.INCONCLUSIVE, f"inconclusive, holding {cur}: {why}", calm_since=None)
+    st = replace(st, last_end_s=now)
+    violated = any(
+        v is not None and v.verdict is Verdict.VIOLATED for v in (o.ttft_verdict, o.tpot_verdict)
+    )
+    outcome = Outcome.VIOLATED if violated else Outcome.MET
+    ttft_share, tpot_share = _share_of_slo(o, policy.slo)
+
+    # 2. the error budget burning: back to the last known-good knobs, latched
+    burn = st.burn
+    if o.slo_met_known:
+        burn = (*burn, (now, o.completed, o.completed - o.slo_met))
+    burn = tuple(b for b in burn if b[0] > now - policy.burn_window_s)
+    st = replace(st, burn=burn)
+    done = sum(b[1] for b in burn)
+    missed = sum(b[2] for b in burn)
+    budget = policy.burn_rate * (1 - policy.slo.quantile)
+    if not st.degraded and done >= policy.min_requests and missed / done > budget:
+        good = st.last_good if st.last_good is not None else policy.knobs(cur.max_batch_size // 2)
+        why = (
+            f"SLO burn: {missed} of {done} requests missed it in the last "
+            f"{policy.burn_window_s:g} s ({missed / done:.1%} > {policy.burn_rate:g} x the "
+            f"{1 - policy.slo.quantile:.0%} budget); back to {good}"
+            + (" (the last known good)" if st.last_good is not None else " (none known good: half)")
+        )
+        s = replace(
+            st,
+            knobs=good,
+            degraded=why,
+            calm_since=None,
+            last_change_s=now,
+            rollbacks=st.rollbacks + 1,
+        )
+        return Decision(outcome=outcome, action=Action.ROLLBACK, knobs=good, reason=why, state=s)
+
+    # 3. tighten at once
+    hot_tpot = violated_tpot = False
+    if o.tpot_verdict is not None:
+        violated_tpot = o.tpot_verdict.verdict is Verdict.VIOLATED
+        hot_tpot = violated_tpot or tpot_share >= policy.tighten_at
+    hot_ttft = (o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED) or (
+        ttft_share >= policy.tighten_at
+    )
+    if hot_tpot or hot_ttft:
+        b, c = cur.max_batch_size, cur.max_concurrency
+        if not hot_tpot and c > b:  # TTFT alone: shed at the door first
+            new = Knobs(max_batch_size=b, max_concurrency=max(b, _step_down(c, policy)))
+        else:
+            new = policy.knobs(max(policy.batch_min, _step_down(b, policy)))
+        what = "TPOT" if hot_tpot else "TTFT"
+        share = tpot_share if hot_tpot else ttft_share
+        if new == cur:
+            return hold(
+                outcome,
+                f"p99 {what} at {share:.0%} of its SLO but {cur} is the lower bound: holding"
+                " (more replicas needed)",
+                calm_since=None,
+            )
+        why = (
+            f"p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%}):"
+            f" {cur} -> {new}"
+        )
+        s = replace(st, knobs=new, calm_since=None, last_change_s=now)
+        return Decision(outcome=outcome, action=Action.TIGHTEN, knobs=new, reason=why, state=s)
+
+    # met, under tighten_at on both: a known-good point
+    st = replace(st, last_good=cur)
+    queued = o.rejected > 0 or (math.isfinite(signals.waiting) and signals.waiting > 0)
+    calm = ttft_share <= policy.loosen_below and tpot_share <= policy.loosen_below
+    if st.degraded:
+        return hold(
+            outcome, f"met; degraded ({st.degraded}): holding {cur} until --ack", calm_since=None
+        )
+    if not (calm and queued):
+        why = (
+            f"met (p99 TTFT {ttft_share:.0%}, TPOT {tpot_share:.0%} of the SLO) "
+            + ("within the tolerance band" if not calm else "with no demand queueing at the limit")
+            + f": holding {cur}"
+        )
+        return hold(outcome, why, calm_since=None)
+    since = st.calm_since if st.calm_since is not None else o.start_s
+    st = replace(st, calm_since=since)
+    waited = min(now - since, now - st.last_change_s)
+    if waited < policy.stabilization_s:
+        return hold(
+            outcome,
+            f"room to grow and demand queueing, for {waited:.0f} s of the "
+            f"{policy.stabilization_s:g} s stabilization window: holding {cur}",
+        )
+    b = cur.max_batch_size
+    nb = min(b + policy.increase, max(b + 1, math.floor(b * (1 + policy.max_step))))
+    new = policy.knobs(nb, max(cur.max_concurrency + (nb - b), round(nb * policy.headroom)))
+    if new == cur:
+        return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
+    predicted = policy.predict_tpot_s(b, o.tpot_verdict.estimate_s, new.max_batch_size)  # type: ignore[union-attr]
+    if predicted > policy.tighten_at * policy.slo.tpot_p99_s:
+        return hold(
+            outcome,
+            f"the curve predicts p99 TPOT {predicted * 1e3:.0f} ms at {new} (over "
+            f"{policy.tighten_at:.0%} of the SLO): holding {cur}",
+        )
+    why = (
+        f"met under {policy.loosen_below:.0%} of the SLO with demand queueing for "
+        f"{waited:.0f} s; predicted p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
+    )
+    s = replace(st, knobs=new, calm_since=None, last_change_s=now)
+    return Decision(
+        outcome=outcome,
+        action=Action.LOOSEN,
+        knobs=new,
+        reason=why,
+        state=s,
+        predicted_tpot_s=predicted,
+    )

@@ -1,0 +1,291 @@
+"""The pure decision of one control tick (controller/control/decide.py), by tables."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from controller.control.decide import (
+    Action,
+    Outcome,
+    Policy,
+    Signals,
+    State,
+    acknowledge,
+    decide,
+)
+from metrics.observation import Observation, Slo, SloVerdict, Verdict
+from search.space import Knobs
+
+SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
+POLICY = Policy(slo=SLO, batch_max=64, headroom=1.0, stabilization_s=300.0)
+K16 = Knobs(max_batch_size=16, max_concurrency=16)
+
+
+def _v(verdict: Verdict, share: float, bound: float, n: int) -> SloVerdict:
+    return SloVerdict(
+        verdict=verdict, threshold_s=bound, estimate_s=share * bound, samples=n, confidence=0.95
+    )
+
+
+def obs(
+    end: float,
+    *,
+    ttft: float = 0.5,
+    tpot: float = 0.5,
+    vt: Verdict | None = None,
+    vp: Verdict | None = None,
+    n: int = 500,
+    missed: int = 0,
+    rejected: int = 0,
+    window: float = 60.0,
+    stale: bool = False,
+) -> Observation:
+    """A window ending at ``end`` whose p99s are the given shares of their SLOs."""
+
+    def verdict(share: float) -> Verdict:
+        return Verdict.MET if share <= 1 else Verdict.VIOLATED
+
+    return Observation(
+        start_s=end - window,
+        end_s=end,
+        completed=n,
+        slo_met=n - missed,
+        rejected=rejected,
+        ttft_verdict=_v(vt or verdict(ttft), ttft, SLO.ttft_p99_s, n),
+        tpot_verdict=_v(vp or verdict(tpot), tpot, SLO.tpot_p99_s, n),
+        stale=stale,
+    )
+
+
+def tick(o: Observation, state: State | None = None, **kw):
+    return decide(Signals(observation=o, **kw), state or State(knobs=K16), POLICY)
+
+
+# --- one tick: (case, observation and signals, outcome, action, knobs after) -------------
+CASES = [
+    ("comfortably met, no queue: hold", dict(o=obs(100)), Outcome.MET, Action.HOLD, K16),
+    ("in the band: hold", dict(o=obs(100, tpot=0.8)), Outcome.MET, Action.HOLD, K16),
+    (
+        "TPOT near the SLO: tighten x0.9",
+        dict(o=obs(100, tpot=0.93)),
+        Outcome.MET,
+        Action.TIGHTEN,
+        Knobs(max_batch_size=14, max_concurrency=14),
+    ),
+    (
+        "TPOT violated: tighten",
+        dict(o=obs(100, tpot=1.3)),
+        Outcome.VIOLATED,
+        Action.TIGHTEN,
+        Knobs(max_batch_size=14, max_concurrency=14),
+    ),
+    ("too few requests: hold", dict(o=obs(100, n=40)), Outcome.INCONCLUSIVE, Action.HOLD, K16),
+    (
+        "a violation judged on thin data elsewhere still counts",
+        dict(o=obs(100, tpot=1.5, vt=Verdict.INSUFFICIENT)),
+        Outcome.VIOLATED,
+        Action.TIGHTEN,
+        Knobs(max_batch_size=14, max_concurrency=14),
+    ),
+    (
+        "p99 over the SLO but undecided: hold, never act on a guess",
+        dict(o=obs(100, tpot=1.05, vp=Verdict.INSUFFICIENT)),
+        Outcome.INCONCLUSIVE,
+        Action.HOLD,
+        K16,
+    ),
+    ("stale metrics: hold", dict(o=obs(100, stale=True)), Outcome.INCONCLUSIVE, Action.HOLD, K16),
+    (
+        "a replica restarted in the window: hold",
+        dict(o=obs(100, tpot=1.5), fault="replica r1 restarted during the window"),
+        Outcome.INCONCLUSIVE,
+        Action.HOLD,
+        K16,
+    ),
+    (
+        "NaN p99: hold",
+        dict(o=obs(100, tpot=math.nan, vp=Verdict.MET)),
+        Outcome.INCONCLUSIVE,
+        Action.HOLD,
+        K16,
+    ),
+    (
+        "someone else changed the knobs: pause",
+        dict(o=obs(100, tpot=1.5), live=Knobs(max_batch_size=32, max_concurrency=32)),
+        Outcome.INCONCLUSIVE,
+        Action.PAUSE,
+        K16,
+    ),
+    (
+        "calm and queueing, but not yet for the stabilization window: hold",
+        dict(o=obs(100, rejected=50)),
+        Outcome.MET,
+        Action.HOLD,
+        K16,
+    ),
+]
+
+
+@pytest.mark.parametrize("case,inp,outcome,action,knobs", CASES, ids=[c[0] for c in CASES])
+def test_one_tick(case, inp, outcome, action, knobs) -> None:
+    inp = dict(inp)
+    d = tick(inp.pop("o"), **inp)
+    assert (d.outcome, d.action, d.knobs) == (outcome, action, knobs), d.reason
+    assert d.state.knobs == knobs
+    assert d.reason  # every decision says why
+
+
+def test_ttft_alone_sheds_at_the_door_before_the_batch() -> None:
+    k = Knobs(max_batch_size=16, max_concurrency=24)
+    d = tick(obs(100, ttft=1.2), State(knobs=k))
+    assert d.action is Action.TIGHTEN
+    assert d.knobs == Knobs(max_batch_size=16, max_concurrency=21)
+    d = tick(obs(100, ttft=1.2), State(knobs=K16))  # no headroom left: the batch
+    assert d.knobs == Knobs(max_batch_size=14, max_concurrency=14)
+
+
+def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
+    k1 = Knobs(max_batch_size=1, max_concurrency=1)
+    d = tick(obs(100, tpot=1.4), State(knobs=k1))
+    assert d.action is Action.HOLD and d.knobs == k1 and "replicas" in d.reason
+
+
+def test_a_tick_step_is_bounded_and_at_least_one() -> None:
+    for b, want in ((2, 1), (10, 9), (100, 90)):
+        p = replace(POLICY, batch_max=128)
+        d = decide(
+            Signals(observation=obs(100, tpot=2.0)),
+            State(knobs=Knobs(max_batch_size=b, max_concurrency=b)),
+            p,
+        )
+        assert d.knobs.max_batch_size == want
+    coarse = replace(POLICY, decrease=0.1, max_step=0.25)
+    d = decide(Signals(observation=obs(100, tpot=2.0)), State(knobs=K16), coarse)
+    assert d.knobs.max_batch_size == 12  # x0.1 asked, 25% allowed
+
+
+def test_loosens_only_after_a_stabilization_window_of_calm_queueing() -> None:
+    st = State(knobs=K16)
+    actions = []
+    for end in range(60, 60 * 7, 60):  # windows of 60 s, calm, demand rejected at the limit
+        d = tick(obs(end, tpot=0.5, rejected=20), st)
+        actions.append(d.action)
+        st = d.state
+    # calm since t=0: held until 300 s of it, then +1
+    assert actions == [Action.HOLD] * 4 + [Action.LOOSEN, Action.HOLD]
+    assert st.knobs == Knobs(max_batch_size=17, max_concurrency=17)
+
+
+@pytest.mark.parametrize(
+    "interrupt",
+    [
+        obs(180, n=10),  # inconclusive
+        obs(180, tpot=0.8, rejected=20),  # in the band
+        obs(180, tpot=0.5),  # calm but nothing queued: more room would not be used
+    ],
+)
+def test_anything_but_calm_queueing_restarts_the_stabilization_window(interrupt) -> None:
+    st = State(knobs=K16)
+    for end in (60, 120):
+        st = tick(obs(end, rejected=20), st).state
+    st = tick(interrupt, st).state
+    got = []
+    for end in range(240, 600, 60):
+        d = tick(obs(end, rejected=20), st)
+        got.append(d.action)
+        st = d.state
+    # calm again from 180 s (the window 180-240): 300 s later, at the window ending 480
+    assert got == [Action.HOLD] * 4 + [Action.LOOSEN, Action.HOLD]
+
+
+def test_loosening_waits_for_the_curve_to_predict_room() -> None:
+    # the canary measured p99 TPOT 50 ms at B=16 and 95 ms at B=17 (a knee): no loosening
+    p = replace(POLICY, curve=((16, 0.05), (17, 0.095)), stabilization_s=0.0)
+    d = decide(Signals(observation=obs(60, tpot=0.5, rejected=5)), State(knobs=K16), p)
+    assert d.action is Action.HOLD and "predicts" in d.reason
+    # a flat curve: loosen, with the prediction recorded
+    p = replace(p, curve=((16, 0.05), (32, 0.06)))
+    d = decide(Signals(observation=obs(60, tpot=0.5, rejected=5)), State(knobs=K16), p)
+    assert d.action is Action.LOOSEN and d.predicted_tpot_s == pytest.approx(0.0502, abs=1e-3)
+    # no curve: p99 TPOT taken to grow with the batch (50 ms x 17/16)
+    p = replace(POLICY, stabilization_s=0.0)
+    d = decide(Signals(observation=obs(60, tpot=0.5, rejected=5)), State(knobs=K16), p)
+    assert d.predicted_tpot_s == pytest.approx(0.05 * 17 / 16)
+
+
+def test_burning_the_error_budget_rolls_back_and_latches_until_acked() -> None:
+    good = Knobs(max_batch_size=12, max_concurrency=12)
+    st = State(knobs=good)
+    st = tick(obs(60), st).state  # met comfortably: known good
+    assert st.last_good == good
+    st = replace(st, knobs=K16)
+    # 200 of the burn window's 1000 requests missed (20% > 14.4 x 1%): back to 12 at once
+    d = tick(obs(120, tpot=0.8, missed=200), st)
+    assert (d.action, d.knobs) == (Action.ROLLBACK, good) and d.state.degraded
+    assert d.state.rollbacks == 1
+    st = d.state
+    # degraded: calm queueing for long does not loosen
+    for end in range(180, 1200, 60):
+        d = tick(obs(end, rejected=20), st)
+        assert d.action is Action.HOLD and "degraded" in d.reason
+        st = d.state
+    # but trouble still tightens
+    assert tick(obs(1260, tpot=1.5), st).action is Action.TIGHTEN
+    st = acknowledge(st, live=None)
+    assert not st.degraded and st.knobs == good
+
+
+def test_the_burn_window_forgets_old_misses() -> None:
+    st = State(knobs=K16)
+    # 10% missed in each of two windows: under the 14.4% fast-burn budget, no rollback
+    for end in (60, 120):
+        d = tick(obs(end, missed=50, tpot=0.8), st)
+        assert d.action is Action.HOLD
+        st = d.state
+    assert [b[0] for b in st.burn] == [60, 120]
+    st = tick(obs(1000, tpot=0.8), st).state
+    assert [b[0] for b in st.burn] == [1000]
+
+
+def test_windows_that_are_old_or_span_the_last_change_are_inconclusive() -> None:
+    d = tick(obs(100, tpot=1.5))
+    assert d.action is Action.TIGHTEN and d.state.last_change_s == 100
+    again = tick(obs(100, tpot=1.5), d.state)  # the same window read twice
+    assert again.outcome is Outcome.INCONCLUSIVE and again.knobs == d.knobs
+    spans = tick(obs(150, tpot=1.5), d.state)  # 90-150: began before the change at 100
+    assert spans.outcome is Outcome.INCONCLUSIVE and "before the last change" in spans.reason
+    after = tick(obs(170, tpot=1.5), d.state)  # 110-170
+    assert after.action is Action.TIGHTEN
+
+
+def test_drift_pauses_every_tick_until_acked_then_adopts_the_live_knobs() -> None:
+    theirs = Knobs(max_batch_size=40, max_concurrency=40)
+    st = State(knobs=K16)
+    for end in (60, 120):
+        d = tick(obs(end, tpot=1.5), st, live=theirs)
+        assert d.action is Action.PAUSE and d.knobs == K16
+        st = d.state
+    st = acknowledge(st, live=theirs)
+    d = tick(obs(180, tpot=1.5), st, live=theirs)
+    assert d.action is Action.TIGHTEN and d.knobs == Knobs(max_batch_size=36, max_concurrency=36)
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(batch_max=0), "batch_max=0"),
+        (dict(batch_max=8, batch_min=9), "batch_max=8 < batch_min=9"),
+        (dict(loosen_below=0.95), "tolerance band"),
+        (dict(decrease=1.0), "decrease=1.0"),
+        (dict(headroom=0.5), "headroom=0.5"),
+        (dict(burn_rate=0.5), "burn_rate=0.5"),
+        (dict(curve=((0, 0.1),)), "curve point"),
+        (dict(stabilization_s=math.inf), "stabilization_s=inf"),
+    ],
+)
+def test_a_bad_policy_is_one_line_naming_the_value(kw, msg) -> None:
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        Policy(**{"slo": SLO, "batch_max": 64, **kw})
