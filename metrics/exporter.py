@@ -75,6 +75,17 @@ class ControllerExporter:
         self.rollbacks = Counter(
             names.CONTROLLER_ROLLBACKS_TOTAL, "Rollbacks to the last good point.", registry=reg
         )
+        self.decisions = Counter(
+            names.CONTROLLER_DECISIONS_TOTAL,
+            "slotune control's decisions, by action and outcome.",
+            [names.LABEL_ACTION, names.LABEL_OUTCOME],
+            registry=reg,
+        )
+        self.degraded = Gauge(
+            names.CONTROLLER_DEGRADED,
+            "1 while slotune control is latched degraded after a rollback (until --ack).",
+            registry=reg,
+        )
         self.best_goodput.set(math.nan)
         self.goodput.set(math.nan)
         for slo in ("ttft", "tpot"):
@@ -97,6 +108,12 @@ class ControllerExporter:
 
     def rollback(self) -> None:
         self.rollbacks.inc()
+
+    def decision(self, action: str, outcome: str) -> None:
+        self.decisions.labels(action=action, outcome=outcome).inc()
+
+    def set_degraded(self, degraded: bool) -> None:
+        self.degraded.set(1.0 if degraded else 0.0)
 
     def observe(self, obs: Observation) -> None:
         """Export the last window: goodput, SLO quantiles, verdicts, staleness."""

@@ -52,6 +52,9 @@ CONTROLLER_SLO_VERDICT = "slotune_controller_slo_verdict"  # gauge 0/1, labels s
 CONTROLLER_QUANTILE_SECONDS = "slotune_controller_observed_quantile_seconds"  # label slo
 CONTROLLER_ROLLBACKS_TOTAL = "slotune_controller_rollbacks_total"  # counter
 CONTROLLER_STALE = "slotune_controller_metrics_stale"  # gauge 0/1
+# slotune control: decisions by action and outcome, and the rollback latch
+CONTROLLER_DECISIONS_TOTAL = "slotune_controller_decisions_total"  # labels action, outcome
+CONTROLLER_DEGRADED = "slotune_controller_degraded"  # gauge 0/1
 
 # Labels.
 LABEL_SLO_MET = "slo_met"  # "true" | "false"
@@ -60,6 +63,8 @@ LABEL_KNOB = "knob"
 LABEL_SLO = "slo"  # "ttft" | "tpot"
 LABEL_VERDICT = "verdict"  # a metrics.observation.Verdict value
 LABEL_CLOCK = "clock"  # ARRIVAL_CLOCKS
+LABEL_ACTION = "action"  # a controller.control.decide.Action value
+LABEL_OUTCOME = "outcome"  # a controller.control.decide.Outcome value
 
 # Values of LABEL_REASON.
 REASON_BAD_REQUEST = "bad_request"  # a 4xx other than 413 and 429
