@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from controller.cli import calibrate, export, observe, roofline, serve, simulate, tune
+from controller.cli import calibrate, control, export, observe, roofline, serve, simulate, tune
 from controller.errors import BadInput, NoFeasiblePoint, Undecided
 
 app = typer.Typer(
@@ -35,7 +35,7 @@ def _root(
 
 
 # One module per command, registered in the order `slotune --help` lists them.
-for command in (roofline, calibrate, tune, export, serve, observe, simulate):
+for command in (roofline, calibrate, tune, control, export, serve, observe, simulate):
     command.register(app)
 
 

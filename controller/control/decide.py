@@ -46,6 +46,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from metrics.observation import Observation, Slo, Verdict
 from search.space import Knobs
@@ -385,3 +386,30 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         state=s,
         predicted_tpot_s=predicted,
     )
+
+
+def policy_from_curve(report: dict[str, Any], *, slo: Slo, **kw: Any) -> Policy:
+    """A policy bounded by a canary's ``curve.json`` (``slotune tune --out``): the batch
+    never above the largest batch the canary measured, the admission limit at the
+    operating point's headroom, and the p99 TPOT the canary measured per batch (the median
+    of its windows) as the curve loosening is predicted on. ValueError when the report has
+    no operating point or no measured TPOT."""
+    op = report.get("operating_point") or {}
+    try:
+        b0, c0 = int(op["max_batch_size"]), int(op["max_concurrency"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("the curve has no operating point (the canary found none)") from None
+    per: dict[int, list[float]] = {}
+    largest = b0
+    for t in report.get("trials") or []:
+        b, ms = t.get("max_batch_size"), t.get("p99_tpot_ms")
+        if not isinstance(b, int) or b < 1:
+            continue
+        largest = max(largest, b)
+        if isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0:
+            per.setdefault(b, []).append(ms / 1e3)
+    if not per:
+        raise ValueError("the curve holds no measured p99 TPOT")
+    curve = tuple((b, sorted(v)[len(v) // 2]) for b, v in sorted(per.items()))
+    kw.setdefault("batch_max", largest)
+    return Policy(slo=slo, headroom=c0 / b0, curve=curve, **kw)

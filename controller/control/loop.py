@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from controller.backends.actuator import UNSETTLED, Actuator, ActuatorError, Fleet
-from controller.control.decide import Action, Decision, Policy, Signals, State, decide
+from controller.control.decide import (
+    Action,
+    Decision,
+    Policy,
+    Signals,
+    State,
+    acknowledge,
+    decide,
+)
 from controller.control.store import AuditLog, Lease, load_state, save_state
 from controller.windows import WindowReader
 from metrics.exporter import ControllerExporter
@@ -129,6 +137,11 @@ def run_control(
                 raise ControlFailed(f"the deployment cannot be read: {e}") from None
             except Exception as e:
                 live, fault = None, fault or f"the deployment's knobs could not be read: {e}"
+            marker = ack_path(state_path)
+            if marker.exists():  # `slotune control --ack` while this controller runs
+                state = acknowledge(state, live)
+                marker.unlink(missing_ok=True)
+                say(f"acknowledged: degraded latch cleared, running {state.knobs}")
             d = decide(Signals(observation=obs, live=live, fault=fault), state, policy)
             old = state.knobs
             state, applied, error = _act(d, state, actuator, live, config.dry_run)
@@ -148,6 +161,11 @@ def run_control(
             token, t0 = _begin(reader), clock()
             before = after if not applied else _safe_fleet(actuator)
         return state
+
+
+def ack_path(state_path: Path) -> Path:
+    """Where ``slotune control --ack`` leaves its acknowledgement for a running controller."""
+    return state_path.with_name(state_path.name + ".ack")
 
 
 def _begin(reader: WindowReader) -> Any:

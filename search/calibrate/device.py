@@ -103,6 +103,12 @@ def device_label(dev: torch.device) -> str:
     return f"{dev.type}-{slug}"[:60]
 
 
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/slotune`` (``~/.cache/slotune``): where slotune keeps what it
+    measured or decided on this machine."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotune"
+
+
 def default_cache_path(dev: torch.device, *, threads: int | None = None) -> Path:
     """``$XDG_CACHE_HOME/slotune/hardware-<host>-<device>[-<threads>t].json``.
 
@@ -110,7 +116,7 @@ def default_cache_path(dev: torch.device, *, threads: int | None = None) -> Path
     decode speed depends on it); None gives the name without it (older caches)."""
     if threads is not None:
         _check_threads(threads)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotune"
+    base = cache_root()
     host = re.sub(r"[^A-Za-z0-9_.-]+", "-", platform.node() or "host")
     suffix = f"-{threads}t" if threads is not None else ""
     return base / f"hardware-{host}-{device_label(dev)}{suffix}.json"

@@ -255,6 +255,23 @@ VALUE_CASES = [
     (["simulate", "--slo-tpot-ms", "-1"], "--slo-tpot-ms -1"),
     (["calibrate", "--dtypes", ","], "--dtypes ','"),
     (["calibrate", "--threads", "0"], "--threads 0"),
+    (["control", "--app", "a", "--max-batch", "0"], "--max-batch 0"),
+    (["control", "--app", "a", "--interval", "0"], "--interval 0"),
+    (["control", "--app", "a", "--tighten-at", "1.5"], "--tighten-at 1.5"),
+    (["control", "--app", "a", "--loosen-below", "nan"], "--loosen-below nan"),
+    (["control", "--app", "a", "--stabilization", "-1"], "--stabilization -1"),
+    (["control", "--app", "a", "--prometheus-url", "9090"], "--prometheus-url 9090"),
+    (["control", "--app", "a", "--actuator", "k8s"], "--actuator k8s"),
+    (["control", "--app", "a", "--actuator", "none"], "give --curve"),
+    (["control", "--app", "a", "--curve", "/nonexistent/curve.json"], "/nonexistent/curve.json"),
+    (
+        ["control", "--app", "a", "--actuator", "none", "--max-batch", "4"],
+        "give --prometheus-url or --metrics-url",
+    ),
+    (
+        ["control", "--app", "a", "--actuator", "none", "--max-batch", "8", "--tighten-at", "0.6"],
+        "loosen_below=0.7 >= tighten_at=0.6",
+    ),  # fmt: skip
     (["observe", "http:///metrics"], "http:///metrics"),
     (["observe", "http://127.0.0.1:99999/metrics"], "http://127.0.0.1:99999/metrics"),
     (["export", "x.journal", "--price-per-hour", "nan"], "--price-per-hour nan"),

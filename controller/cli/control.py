@@ -1,0 +1,228 @@
+"""``slotune control``: keep a live deployment's batch and admission limits at the operating
+point as its traffic changes (controller/control/). Passive: it reads windows from
+Prometheus (``--prometheus-url``; ``--metrics-url`` scrapes an endpoint instead), decides
+each tick, and acts through the actuator (``--actuator``, as ``slotune tune``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from controller.cli.flags import at_least, http_url, slo_from_ms
+from controller.cli.paths import input_file
+from controller.errors import BadInput
+from metrics.observation import DEFAULT_SLO, Slo
+
+if TYPE_CHECKING:
+    from controller.control.decide import Policy
+
+log = logging.getLogger(__name__)
+
+
+def _default_state(app: str) -> Path:
+    from search.calibrate.device import cache_root
+
+    return cache_root() / "control" / f"{app}.json"
+
+
+def _share(flag: str, v: float) -> None:
+    if not (math.isfinite(v) and 0 < v < 1):
+        raise BadInput(f"{flag} {v!r}: must be a share of the SLO in (0, 1)")
+
+
+def _policy(
+    slo: Slo,
+    curve: Path | None,
+    max_batch: int | None,
+    tighten_at: float,
+    loosen_below: float,
+    stabilization_s: float,
+    min_requests: int,
+) -> Policy:
+    """The control policy of the flags: bounded by ``--curve`` or ``--max-batch``."""
+    from controller.control.decide import Policy, policy_from_curve
+
+    try:
+        knobs = dict(
+            tighten_at=tighten_at,
+            loosen_below=loosen_below,
+            stabilization_s=stabilization_s,
+            min_requests=min_requests,
+        )
+        if curve is not None:
+            input_file("--curve", curve)
+            try:
+                report = json.loads(curve.read_text())
+            except (OSError, ValueError) as e:
+                raise BadInput(f"--curve {curve}: not a readable curve.json ({e})") from None
+            if max_batch is not None:
+                knobs["batch_max"] = max_batch
+            return policy_from_curve(report, slo=slo, **knobs)
+        elif max_batch is not None:
+            return Policy(slo=slo, batch_max=max_batch, **knobs)  # type: ignore[arg-type]
+        else:
+            raise BadInput(
+                "give --curve (a canary's curve.json) or --max-batch: the controller never "
+                "raises the batch limit past a bound"
+            )
+    except ValueError as e:
+        if isinstance(e, BadInput):
+            raise
+        raise BadInput(f"control policy: {e}") from None
+
+
+def control(
+    app: str = typer.Option(..., "--app", help="The Serve application to control."),
+    actuator: str = typer.Option(
+        "serve", "--actuator", help="How changes reach it: serve, serve-llm, embedded, none."
+    ),
+    deployment: str = typer.Option(None, "--deployment", help="The deployment within the app."),
+    batch_knob: str = typer.Option(None, "--batch-knob", help="The batch limit's config path."),
+    dashboard_url: str = typer.Option(None, "--dashboard-url", help="Ray's dashboard (REST)."),
+    prometheus_url: str = typer.Option(None, "--prometheus-url", help="A Prometheus server."),
+    metrics_url: str = typer.Option(None, "--metrics-url", help="Scrape this /metrics instead."),
+    metrics_prefix: str = typer.Option(None, "--metrics-prefix", help="e.g. ray_ (Ray's port)."),
+    metrics_profile: str = typer.Option(
+        None, "--metrics-profile", help="slotune, vllm, sglang (detected when not given)."
+    ),
+    curve: Path = typer.Option(
+        None, "--curve", help="A canary's curve.json: bounds and the curve to predict on."
+    ),
+    max_batch: int = typer.Option(None, "--max-batch", help="Upper bound of the batch limit."),
+    slo_ttft_ms: float = typer.Option(
+        DEFAULT_SLO.ttft_p99_s * 1e3, "--slo-ttft-ms", help="p99 TTFT SLO (ms)."
+    ),
+    slo_tpot_ms: float = typer.Option(
+        DEFAULT_SLO.tpot_p99_s * 1e3, "--slo-tpot-ms", help="p99 TPOT SLO (ms)."
+    ),
+    interval_s: float = typer.Option(60.0, "--interval", help="Seconds a tick (its window)."),
+    stabilization_s: float = typer.Option(
+        300.0, "--stabilization", help="Seconds of calm queueing before loosening."
+    ),
+    tighten_at: float = typer.Option(0.9, "--tighten-at", help="Lower at this share of SLO."),
+    loosen_below: float = typer.Option(0.7, "--loosen-below", help="Raise under this share."),
+    min_requests: int = typer.Option(100, "--min-requests", help="Fewer: inconclusive, hold."),
+    state: Path = typer.Option(None, "--state", help="State file (default: the user cache)."),
+    audit: Path = typer.Option(None, "--audit", help="Audit log (default: beside the state)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Recommend; never apply."),
+    ack: bool = typer.Option(False, "--ack", help="Clear the degraded latch, adopt live knobs."),
+    max_ticks: int = typer.Option(None, "--max-ticks", help="Stop after this many ticks."),
+    metrics_port: int = typer.Option(
+        None, "--metrics-port", help="Serve the controller's own /metrics on 127.0.0.1:PORT."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", help="No line per tick on stderr."),
+) -> None:
+    """Keep the batch and admission limits at the operating point on live traffic: tighten at
+    once when p99 nears the SLO, loosen slowly, hold on missing data, roll back on SLO burn."""
+    from controller.backends.actuator import ActuatorError, ActuatorUnavailable
+    from controller.backends.registry import ACTUATORS, make_actuator
+    from controller.control.decide import acknowledge
+    from controller.control.loop import ControlFailed, LoopConfig, ack_path, run_control
+    from controller.control.store import Lease, LeaseHeld, load_state, save_state
+    from controller.tune_setup import make_reader
+
+    slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
+    for flag, url in (
+        ("--prometheus-url", prometheus_url),
+        ("--metrics-url", metrics_url),
+        ("--dashboard-url", dashboard_url),
+    ):
+        http_url(flag, url)
+    if not (math.isfinite(interval_s) and interval_s > 0):
+        raise BadInput(f"--interval {interval_s!r}: must be a number of seconds > 0")
+    if not (math.isfinite(stabilization_s) and stabilization_s >= 0):
+        raise BadInput(f"--stabilization {stabilization_s!r}: must be a number of seconds >= 0")
+    if actuator not in ACTUATORS:
+        raise BadInput(f"--actuator {actuator}: choose one of {', '.join(ACTUATORS)}")
+    _share("--tighten-at", tighten_at)
+    _share("--loosen-below", loosen_below)
+    at_least("--min-requests", min_requests, 1)
+    at_least("--max-ticks", max_ticks, 1)
+    at_least("--max-batch", max_batch, 1)
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise BadInput(f"--metrics-port {metrics_port}: must be in 0..65535")
+    state_path = state or _default_state(app)
+    audit_path = audit or state_path.with_suffix(".audit.jsonl")
+    policy = (
+        None
+        if ack
+        else _policy(slo, curve, max_batch, tighten_at, loosen_below, stabilization_s, min_requests)
+    )
+
+    try:
+        act = make_actuator(
+            actuator, app=app, deployment=deployment, batch_knob=batch_knob,
+            dashboard_url=dashboard_url, slo=slo,
+        )  # fmt: skip
+    except (ActuatorError, ActuatorUnavailable, ValueError) as e:
+        raise BadInput(f"--actuator {actuator}: {e}") from None
+
+    if ack:
+        try:
+            with Lease(state_path):
+                saved = load_state(state_path)
+                if saved is None:
+                    raise BadInput(f"--ack: no controller state at {state_path}")
+                save_state(acknowledge(saved, act.current()), state_path)
+            typer.echo(f"slotune control: acknowledged ({state_path})", err=True)
+        except LeaseHeld:
+            ack_path(state_path).write_text("ack\n")
+            typer.echo(
+                "slotune control: acknowledged; the running controller takes it at its next tick",
+                err=True,
+            )
+        return
+
+    reader, what = make_reader(
+        slo=slo,
+        app=app,
+        metrics_url=metrics_url,
+        prometheus_url=prometheus_url,
+        prefix=metrics_prefix,
+        profile=metrics_profile,
+        under_ray=False,
+    )
+    if type(reader).__name__ == "ClientWindow":
+        raise BadInput(
+            "slotune control sends no load: give --prometheus-url or --metrics-url (a "
+            "deployment's metrics), not the client profile"
+        )
+    exporter = None
+    if metrics_port is not None:
+        from metrics.exporter import ControllerExporter
+
+        exporter = ControllerExporter()
+        port = exporter.serve(metrics_port)
+        typer.echo(f"slotune control: metrics on http://127.0.0.1:{port}/metrics", err=True)
+    say = (lambda s: None) if quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    say(f"slotune control: {app} via {act.name}, windows from {what}; state {state_path}")
+    try:
+        run_control(
+            reader=reader,
+            actuator=act,
+            policy=policy,  # type: ignore[arg-type]  # set unless --ack, which returned
+            state_path=state_path,
+            audit_path=audit_path,
+            config=LoopConfig(interval_s=interval_s, dry_run=dry_run, max_ticks=max_ticks),
+            exporter=exporter,
+            say=say,
+        )
+    except LeaseHeld as e:
+        print(f"slotune control: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    except (ControlFailed, ValueError) as e:
+        print(f"slotune control: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("control")(control)
