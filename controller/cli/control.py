@@ -40,21 +40,22 @@ def _policy(
     slo: Slo,
     curve: Path | None,
     max_batch: int | None,
-    tighten_at: float,
-    loosen_below: float,
-    stabilization_s: float,
-    min_requests: int,
+    tighten_at: float | None,
+    loosen_below: float | None,
+    stabilization_s: float | None,
+    min_requests: int | None,
 ) -> Policy:
     """The control policy of the flags: bounded by ``--curve`` or ``--max-batch``."""
     from controller.control.decide import Policy, policy_from_curve
 
     try:
-        knobs = dict(
+        given = dict(
             tighten_at=tighten_at,
             loosen_below=loosen_below,
             stabilization_s=stabilization_s,
             min_requests=min_requests,
         )
+        knobs = {k: v for k, v in given.items() if v is not None}  # else the Policy's
         if curve is not None:
             input_file("--curve", curve)
             try:
@@ -103,11 +104,17 @@ def control(
     ),
     interval_s: float = typer.Option(60.0, "--interval", help="Seconds a tick (its window)."),
     stabilization_s: float = typer.Option(
-        300.0, "--stabilization", help="Seconds of calm queueing before loosening."
+        None, "--stabilization", help="Seconds of calm queueing before loosening [300]."
     ),
-    tighten_at: float = typer.Option(0.9, "--tighten-at", help="Lower at this share of SLO."),
-    loosen_below: float = typer.Option(0.7, "--loosen-below", help="Raise under this share."),
-    min_requests: int = typer.Option(100, "--min-requests", help="Fewer: inconclusive, hold."),
+    tighten_at: float = typer.Option(
+        None, "--tighten-at", help="Lower at this share of the SLO [0.95]."
+    ),
+    loosen_below: float = typer.Option(
+        None, "--loosen-below", help="Raise only under this share [0.9]."
+    ),
+    min_requests: int = typer.Option(
+        None, "--min-requests", help="Fewer in a window: inconclusive, hold [100]."
+    ),
     state: Path = typer.Option(None, "--state", help="State file (default: the user cache)."),
     audit: Path = typer.Option(None, "--audit", help="Audit log (default: beside the state)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Recommend; never apply."),
@@ -136,12 +143,14 @@ def control(
         http_url(flag, url)
     if not (math.isfinite(interval_s) and interval_s > 0):
         raise BadInput(f"--interval {interval_s!r}: must be a number of seconds > 0")
-    if not (math.isfinite(stabilization_s) and stabilization_s >= 0):
-        raise BadInput(f"--stabilization {stabilization_s!r}: must be a number of seconds >= 0")
+    stab = stabilization_s
+    if stab is not None and not (math.isfinite(stab) and stab >= 0):
+        raise BadInput(f"--stabilization {stab!r}: must be a number of seconds >= 0")
     if actuator not in ACTUATORS:
         raise BadInput(f"--actuator {actuator}: choose one of {', '.join(ACTUATORS)}")
-    _share("--tighten-at", tighten_at)
-    _share("--loosen-below", loosen_below)
+    for flag, share in (("--tighten-at", tighten_at), ("--loosen-below", loosen_below)):
+        if share is not None:
+            _share(flag, share)
     at_least("--min-requests", min_requests, 1)
     at_least("--max-ticks", max_ticks, 1)
     at_least("--max-batch", max_batch, 1)

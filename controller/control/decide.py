@@ -25,18 +25,21 @@ What it does, in order:
    the SLO exceeds ``burn_rate`` times the error budget (1 - the SLO's quantile): re-apply
    the last known-good knobs at once and latch ``degraded`` until acknowledged (Argo
    Rollouts' abort). While degraded it may tighten, never loosen.
-3. **Tighten fast**: a violated window, or a met one whose p99 reached ``tighten_at`` of
-   its SLO: TPOT trouble lowers the batch limit (x ``decrease``, at least 1, at most
-   ``max_step`` of it) and the admission limit with it at the same headroom; TTFT trouble
-   alone first lowers the admission limit toward the batch limit (TTFT is mostly queueing
-   there, and a smaller batch would only serve fewer), then the batch.
-4. **Loosen slowly**: only when every conclusive window of the last ``stabilization_s``
-   (and the time since the last change) met both SLOs under ``loosen_below`` of them with
-   demand queueing at the limit (requests rejected or waiting: arrivals beyond what the
-   limit admits, not completions, which the limit itself caps), by ``increase``, and only
-   when the curve predicts the new batch's p99 TPOT under ``tighten_at`` of the SLO. (HPA
-   keeps the highest recommendation of the last 300 s before scaling down; AIMD adds 1 and
-   multiplies by 0.9.)
+3. **Tighten fast**: at once on a violated window, or on ``near_windows`` met windows in a
+   row whose p99 reached ``tighten_at`` of its SLO (one such window alone is within the
+   noise of a p99 near the operating point). TPOT trouble lowers the batch limit
+   (x ``decrease``, at least 1, at most ``max_step`` of it) and the admission limit with it
+   at the same headroom; TTFT trouble alone first lowers the admission limit toward the
+   batch limit (TTFT is mostly queueing there, and a smaller batch would only serve fewer),
+   then the batch.
+4. **Loosen slowly**: only once every conclusive window of the last ``stabilization_s`` met
+   both SLOs under ``loosen_below`` of them with demand queueing at the limit (requests
+   rejected or waiting: arrivals beyond what the limit admits, not completions, which the
+   limit itself caps); then by ``increase`` or ``increase_share`` of the batch each tick the
+   calm lasts, to no batch whose p99 TPOT the curve predicts over ``loosen_below`` of the SLO
+   (so a loosening stops short of the tightening threshold: no limit cycle). (HPA keeps the
+   highest recommendation of the last 300 s before scaling down; AIMD adds 1 and multiplies
+   by 0.9.)
 5. Otherwise **hold** (within the tolerance band between ``loosen_below`` and
    ``tighten_at``, or met without queueing: more room would not be used).
 """
@@ -80,10 +83,12 @@ class Policy:
     batch_min: int = 1
     headroom: float = 1.0  # admission limit / batch limit, kept when the batch moves
     concurrency_max: int | None = None  # None: batch_max x headroom
-    tighten_at: float = 0.9
-    loosen_below: float = 0.7
+    tighten_at: float = 0.95
+    loosen_below: float = 0.9
+    near_windows: int = 2  # windows in a row met over tighten_at before tightening
     decrease: float = 0.9
-    increase: int = 1
+    increase: int = 1  # at least this many a loosening tick ...
+    increase_share: float = 0.05  # ... or this share of the batch, whichever is more
     max_step: float = 0.25
     stabilization_s: float = 300.0
     min_requests: int = 100
@@ -94,7 +99,7 @@ class Policy:
     curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("batch_min", "batch_max", "increase", "min_requests"):
+        for name in ("batch_min", "batch_max", "increase", "min_requests", "near_windows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be an integer >= 1")
@@ -115,6 +120,7 @@ class Policy:
                 "tolerance band between them would be empty"
             )
         _share("decrease", self.decrease)
+        _share("increase_share", self.increase_share)
         _share("max_step", self.max_step)
         for name in ("stabilization_s", "burn_window_s"):
             v = getattr(self, name)
@@ -182,6 +188,7 @@ class State:
     last_end_s: float = -math.inf  # the end of the newest window decided
     # (window end, completed, missed the SLO) of the windows within the burn window
     burn: tuple[tuple[float, int, int], ...] = ()
+    near: int = 0  # conclusive windows in a row met but over tighten_at
     ticks: int = 0
     holds: int = 0
     rollbacks: int = 0
@@ -315,6 +322,19 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
     hot_ttft = (o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED) or (
         ttft_share >= policy.tighten_at
     )
+    violated_ttft = o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED
+    near = (hot_tpot or hot_ttft) and not (violated_tpot or violated_ttft)
+    if near and st.near + 1 < policy.near_windows:
+        # met, but near the SLO: once may be one noisy window; again in a row tightens
+        what = "TPOT" if hot_tpot else "TTFT"
+        share = tpot_share if hot_tpot else ttft_share
+        return hold(
+            outcome,
+            f"met, p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%} "
+            f"in {policy.near_windows} windows in a row): holding {cur}",
+            calm_since=None,
+            near=st.near + 1,
+        )
     if hot_tpot or hot_ttft:
         b, c = cur.max_batch_size, cur.max_concurrency
         if not hot_tpot and c > b:  # TTFT alone: shed at the door first
@@ -334,11 +354,11 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
             f"p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%}):"
             f" {cur} -> {new}"
         )
-        s = replace(st, knobs=new, calm_since=None, last_change_s=now)
+        s = replace(st, knobs=new, calm_since=None, last_change_s=now, near=0)
         return Decision(outcome=outcome, action=Action.TIGHTEN, knobs=new, reason=why, state=s)
 
     # met, under tighten_at on both: a known-good point
-    st = replace(st, last_good=cur)
+    st = replace(st, last_good=cur, near=0)
     queued = o.rejected > 0 or (math.isfinite(signals.waiting) and signals.waiting > 0)
     calm = ttft_share <= policy.loosen_below and tpot_share <= policy.loosen_below
     if st.degraded:
@@ -354,30 +374,37 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         return hold(outcome, why, calm_since=None)
     since = st.calm_since if st.calm_since is not None else o.start_s
     st = replace(st, calm_since=since)
-    waited = min(now - since, now - st.last_change_s)
+    waited = now - since
     if waited < policy.stabilization_s:
         return hold(
             outcome,
             f"room to grow and demand queueing, for {waited:.0f} s of the "
             f"{policy.stabilization_s:g} s stabilization window: holding {cur}",
         )
+    # Calm for the whole stabilization window: up by the step, each tick the calm lasts,
+    # to the largest batch of the step the curve predicts under tighten_at of the SLO.
     b = cur.max_batch_size
-    nb = min(b + policy.increase, max(b + 1, math.floor(b * (1 + policy.max_step))))
-    new = policy.knobs(nb, max(cur.max_concurrency + (nb - b), round(nb * policy.headroom)))
-    if new == cur:
+    step = max(policy.increase, round(b * policy.increase_share))
+    top = min(policy.batch_max, b + step, max(b + 1, math.floor(b * (1 + policy.max_step))))
+    p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # MET: a finite estimate
+    goal = policy.loosen_below * policy.slo.tpot_p99_s
+    nb = next((x for x in range(top, b, -1) if policy.predict_tpot_s(b, p99, x) <= goal), b)
+    if top <= b:
         return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
-    predicted = policy.predict_tpot_s(b, o.tpot_verdict.estimate_s, new.max_batch_size)  # type: ignore[union-attr]
-    if predicted > policy.tighten_at * policy.slo.tpot_p99_s:
+    if nb == b:
+        predicted = policy.predict_tpot_s(b, p99, b + 1)
         return hold(
             outcome,
-            f"the curve predicts p99 TPOT {predicted * 1e3:.0f} ms at {new} (over "
-            f"{policy.tighten_at:.0%} of the SLO): holding {cur}",
+            f"the curve predicts p99 TPOT {predicted * 1e3:.0f} ms at B={b + 1} (over "
+            f"{policy.loosen_below:.0%} of the SLO): holding {cur}",
         )
+    predicted = policy.predict_tpot_s(b, p99, nb)
+    new = policy.knobs(nb, max(cur.max_concurrency + (nb - b), round(nb * policy.headroom)))
     why = (
         f"met under {policy.loosen_below:.0%} of the SLO with demand queueing for "
         f"{waited:.0f} s; predicted p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
     )
-    s = replace(st, knobs=new, calm_since=None, last_change_s=now)
+    s = replace(st, knobs=new, last_change_s=now)
     return Decision(
         outcome=outcome,
         action=Action.LOOSEN,

@@ -270,7 +270,7 @@ VALUE_CASES = [
     ),
     (
         ["control", "--app", "a", "--actuator", "none", "--max-batch", "8", "--tighten-at", "0.6"],
-        "loosen_below=0.7 >= tighten_at=0.6",
+        "loosen_below=0.9 >= tighten_at=0.6",
     ),  # fmt: skip
     (["observe", "http:///metrics"], "http:///metrics"),
     (["observe", "http://127.0.0.1:99999/metrics"], "http://127.0.0.1:99999/metrics"),
