@@ -24,14 +24,15 @@ What it does, in order:
 2. **Burn → rollback**: over the last ``burn_window_s`` the share of requests that missed
    the SLO exceeds ``burn_rate`` times the error budget (1 - the SLO's quantile): re-apply
    the last known-good knobs at once and latch ``degraded`` until acknowledged (Argo
-   Rollouts' abort). While degraded it may tighten, never loosen.
+   Rollouts' abort); with none known good other than what runs, latch and go on as below.
+   While degraded it may tighten, never loosen.
 3. **Tighten fast**: at once on a violated window, or on ``near_windows`` met windows in a
    row whose p99 reached ``tighten_at`` of its SLO (one such window alone is within the
    noise of a p99 near the operating point). TPOT trouble lowers the batch limit
    (x ``decrease``, at least 1, at most ``max_step`` of it) and the admission limit with it
-   at the same headroom; TTFT trouble alone first lowers the admission limit toward the
-   batch limit (TTFT is mostly queueing there, and a smaller batch would only serve fewer),
-   then the batch.
+   at the same headroom; TTFT trouble alone lowers the admission limit toward the batch
+   limit (shedding at the door) and, once they meet, holds: TTFT is then queueing for the
+   batch, and a smaller batch would serve fewer and queue more (more replicas are needed).
 4. **Loosen slowly**: only once every conclusive window of the last ``stabilization_s`` met
    both SLOs under ``loosen_below`` of them with demand queueing at the limit (requests
    rejected or waiting: arrivals beyond what the limit admits, not completions, which the
@@ -297,22 +298,29 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
     missed = sum(b[2] for b in burn)
     budget = policy.burn_rate * (1 - policy.slo.quantile)
     if not st.degraded and done >= policy.min_requests and missed / done > budget:
-        good = st.last_good if st.last_good is not None else policy.knobs(cur.max_batch_size // 2)
-        why = (
+        burning = (
             f"SLO burn: {missed} of {done} requests missed it in the last "
             f"{policy.burn_window_s:g} s ({missed / done:.1%} > {policy.burn_rate:g} x the "
-            f"{1 - policy.slo.quantile:.0%} budget); back to {good}"
-            + (" (the last known good)" if st.last_good is not None else " (none known good: half)")
+            f"{1 - policy.slo.quantile:.0%} budget)"
         )
-        s = replace(
-            st,
-            knobs=good,
-            degraded=why,
-            calm_since=None,
-            last_change_s=now,
-            rollbacks=st.rollbacks + 1,
-        )
-        return Decision(outcome=outcome, action=Action.ROLLBACK, knobs=good, reason=why, state=s)
+        good = st.last_good
+        if good is not None and good != cur:
+            why = f"{burning}; back to {good}, the last known good"
+            s = replace(
+                st,
+                knobs=good,
+                degraded=why,
+                calm_since=None,
+                last_change_s=now,
+                rollbacks=st.rollbacks + 1,
+                near=0,
+            )
+            return Decision(
+                outcome=outcome, action=Action.ROLLBACK, knobs=good, reason=why, state=s
+            )
+        # nothing known good to go back to (or it is what runs): latch, then act as any
+        # window would (tighten on TPOT, hold on queueing)
+        st = replace(st, degraded=f"{burning}; no other known-good knobs than {cur}")
 
     # 3. tighten at once
     hot_tpot = violated_tpot = False
@@ -337,7 +345,17 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         )
     if hot_tpot or hot_ttft:
         b, c = cur.max_batch_size, cur.max_concurrency
-        if not hot_tpot and c > b:  # TTFT alone: shed at the door first
+        if not hot_tpot and c == b:
+            # TTFT alone with no admission headroom left: it is queueing for the batch, and
+            # a smaller batch would serve fewer and queue more
+            return hold(
+                outcome,
+                f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
+                "queueing for the batch; holding (more replicas needed, not a smaller batch)",
+                calm_since=None,
+                near=0,
+            )
+        if not hot_tpot:  # TTFT alone: shed at the door
             new = Knobs(max_batch_size=b, max_concurrency=max(b, _step_down(c, policy)))
         else:
             new = policy.knobs(max(policy.batch_min, _step_down(b, policy)))

@@ -149,12 +149,14 @@ def test_near_the_slo_twice_in_a_row_tightens_and_a_window_between_resets_it() -
     assert tick(obs(300, tpot=0.97), thin.state).action is Action.TIGHTEN
 
 
-def test_ttft_alone_sheds_at_the_door_before_the_batch() -> None:
+def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     k = Knobs(max_batch_size=16, max_concurrency=24)
     d = tick(obs(100, ttft=1.2), State(knobs=k))
     assert d.action is Action.TIGHTEN
     assert d.knobs == Knobs(max_batch_size=16, max_concurrency=21)
-    d = tick(obs(100, ttft=1.2), State(knobs=K16))  # no headroom left: the batch
+    d = tick(obs(100, ttft=1.2), State(knobs=K16))  # no headroom left: queueing, hold
+    assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason
+    d = tick(obs(100, ttft=1.2, tpot=1.2), State(knobs=K16))  # TPOT too: the batch
     assert d.knobs == Knobs(max_batch_size=14, max_concurrency=14)
 
 
@@ -247,6 +249,15 @@ def test_burning_the_error_budget_rolls_back_and_latches_until_acked() -> None:
     assert tick(obs(1260, tpot=1.5), st).action is Action.TIGHTEN
     st = acknowledge(st, live=None)
     assert not st.degraded and st.knobs == good
+
+
+def test_burning_with_nothing_known_good_latches_and_acts_on_the_window() -> None:
+    # TPOT violated and 30% missed, nothing met before: latched, and tightened as usual
+    d = tick(obs(60, tpot=1.3, missed=150))
+    assert d.action is Action.TIGHTEN and d.state.degraded and d.state.rollbacks == 0
+    # TTFT from queueing at the limit: latched, the batch held
+    d = tick(obs(60, ttft=3.0, missed=150))
+    assert d.action is Action.HOLD and d.knobs == K16 and d.state.degraded
 
 
 def test_the_burn_window_forgets_old_misses() -> None:

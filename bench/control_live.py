@@ -1,0 +1,238 @@
+"""``slotune control`` live on this CPU (issue 20): real Ray Serve, a real Prometheus.
+
+The built-in ``small`` app is deployed on a local Ray (as ``slotune tune`` does), a
+Prometheus (Debian's package) scrapes Ray's metrics port every second, and an open load
+steps: ``--low`` req/s of short answers, then ``--high`` req/s, then ``--long-rate`` req/s
+of answers ``--long-tokens`` long. Both variants start from the limit an operator set for
+the old, light load (``--start-batch``, admission = batch) and see the same load:
+
+- ``fixed``: that limit all along (``run_control`` in a dry run: it reads and audits the
+  same PromQL windows and changes nothing);
+- ``control``: ``run_control`` acting through the embedded actuator.
+
+Per variant: the share of windows with p99 TPOT within the SLO after ``--settle-s`` of each
+load step (the issue asks >= 95% for control, where the fixed limit violates), and the
+knob changes in each phase (none while the load holds still: no oscillation).
+
+    .venv/bin/python bench/control_live.py [--phase-s 120 240 240] [--interval 20]
+
+Loopback only; the load is bounded by its phases; prints a row per tick, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def phases(args) -> list[tuple[str, float, float, int]]:
+    """(name, seconds, rate req/s, output tokens) of each load step."""
+    a, b, c = args.phase_s
+    return [
+        ("light", a, args.low, args.tokens),
+        ("step up", b, args.high, args.tokens),
+        ("longer answers", c, args.long_rate, args.long_tokens),
+    ]
+
+
+def offer(url: str, plan, stop: threading.Event, marks: list[float]) -> None:
+    """Offer the load steps one after another (a thread with its own event loop)."""
+    from controller.load.generator import run_load
+    from controller.load.spec import LoadSpec, completions_url
+    from serving.sim.workload import LengthDist
+
+    async def go() -> None:
+        for i, (_, secs, rate, tokens) in enumerate(plan):
+            marks.append(time.time())
+            if stop.is_set():
+                return
+            spec = LoadSpec(
+                url=completions_url(url),
+                mode="open",
+                rate_rps=rate,
+                concurrency=96,
+                duration_s=secs,
+                max_requests=int(rate * secs * 2) + 10,
+                prompt_tokens=LengthDist(mean=16),
+                output_tokens=LengthDist(mean=tokens),
+                seed=i,
+                ignore_eos=True,
+            )
+            ev = asyncio.Event()
+            task = asyncio.create_task(run_load(spec, stop=ev))
+            while not task.done():
+                if stop.is_set():
+                    ev.set()
+                await asyncio.sleep(0.2)
+            await task
+        marks.append(time.time())
+
+    asyncio.run(go())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase-s", type=float, nargs=3, default=[120.0, 240.0, 240.0])
+    ap.add_argument("--low", type=float, default=6.0)
+    ap.add_argument("--high", type=float, default=20.0)
+    ap.add_argument("--long-rate", type=float, default=10.0)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--long-tokens", type=int, default=16)
+    ap.add_argument("--start-batch", type=int, default=32)
+    ap.add_argument("--interval", type=float, default=20.0)
+    ap.add_argument("--settle-s", type=float, default=60.0)
+    ap.add_argument("--only", choices=("fixed", "control"))
+    args = ap.parse_args()
+
+    from controller.attach import ray_metrics_url, shutdown_local
+    from controller.control.decide import Policy
+    from controller.control.loop import LoopConfig, run_control
+    from controller.targets import RequestShape
+    from controller.tune_setup import make_reader, prepare_builtin
+    from metrics.observation import DEFAULT_SLO
+    from search.space import Knobs
+    from serving.sim.workload import LengthDist
+    from tests.fixtures.prometheus_server import start_prometheus
+
+    slo = DEFAULT_SLO
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    shape = RequestShape(prompt_tokens=LengthDist(mean=16), output_tokens=LengthDist(mean=8))
+    prep = prepare_builtin(model="small", slo=slo, shape=shape, quiet=True, served=False)
+    setup = prep.setup
+    work = Path(tempfile.mkdtemp(prefix="slotune-control-live-"))
+    prom = start_prometheus(work)
+    results: dict[str, dict] = {}
+    try:
+        metrics = ray_metrics_url()
+        prom.add_target("ray", metrics.split("//", 1)[1].split("/", 1)[0])
+        reader, what = make_reader(
+            slo=slo,
+            app=setup.app,
+            metrics_url=None,
+            prometheus_url=prom.url,
+            prefix="ray_",
+            profile="slotune",
+            under_ray=True,
+        )
+        plan = phases(args)
+        total = sum(p[1] for p in plan)
+        policy = Policy(slo=slo, batch_max=max(64, args.start_batch))
+        start = Knobs(max_batch_size=args.start_batch, max_concurrency=args.start_batch)
+        variants = [args.only] if args.only else ["fixed", "control"]
+        for name in variants:
+            setup.actuator.apply(start)
+            time.sleep(5)
+            state_path = work / name / "state.json"
+            stop = threading.Event()
+            marks: list[float] = []
+            load = threading.Thread(target=offer, args=(setup.url, plan, stop, marks))
+            load.start()
+            try:
+                run_control(
+                    reader=reader,
+                    actuator=setup.actuator,
+                    policy=policy,
+                    state_path=state_path,
+                    audit_path=state_path.with_suffix(".audit.jsonl"),
+                    config=LoopConfig(
+                        interval_s=args.interval,
+                        dry_run=name == "fixed",
+                        max_ticks=int(total // args.interval),
+                    ),
+                    say=lambda s, n=name: print(f"[{n}] {s}", flush=True),
+                )
+            finally:
+                stop.set()
+                load.join(timeout=120)
+            rows = [
+                json.loads(x)
+                for x in state_path.with_suffix(".audit.jsonl").read_text().splitlines()
+            ]
+            results[name] = summarise(rows, marks, plan, args.settle_s, slo)
+    finally:
+        prom.stop()
+        shutdown_local()
+    out = {
+        "bench": "control_live",
+        "cpu": cpu(),
+        "started": started,
+        "phases": [list(p) for p in phases(args)],
+        "interval_s": args.interval,
+        "start_batch": args.start_batch,
+        "reader": what,
+        "variants": results,
+    }
+    for name, r in results.items():
+        print(
+            f"{name:8s} within SLO after settling {r['within_after_settle']}/"
+            f"{r['judged_after_settle']} ({r['share_after_settle']:.0%});"
+            f" changes per phase {r['changes_per_phase']};"
+            f" final {r['final']}"
+        )
+    print(json.dumps(out))
+
+
+def summarise(rows, marks, plan, settle_s, slo) -> dict:
+    """Windows within the TPOT SLO after each step's settling time, and changes per phase."""
+
+    def phase_of(t: float) -> int:
+        i = 0
+        for j, m in enumerate(marks[: len(plan)]):
+            if t >= m:
+                i = j
+        return i
+
+    judged = within = 0
+    changes = [0] * len(plan)
+    for r in rows:
+        o = r.get("observation") or {}
+        start = o.get("start_s") or r["time_s"]
+        i = phase_of(start)
+        if r["from"] != r["to"] and r["applied"] or (r["dry_run"] and r["from"] != r["to"]):
+            changes[i] += 1
+        if i < len(marks) and start < marks[i] + settle_s:
+            continue
+        tpot = o.get("tpot")
+        if r["outcome"] == "inconclusive" or tpot is None or tpot.get("p99_s") is None:
+            continue
+        judged += 1
+        within += tpot["p99_s"] <= slo.tpot_p99_s
+    return {
+        "judged_after_settle": judged,
+        "within_after_settle": within,
+        "share_after_settle": within / judged if judged else float("nan"),
+        "changes_per_phase": changes,
+        "final": rows[-1]["to"] if rows else None,
+        "outcomes": [r["outcome"] for r in rows],
+        "actions": [r["action"] for r in rows],
+        "p99_tpot_ms": [
+            None
+            if not (r.get("observation") or {}).get("tpot")
+            or r["observation"]["tpot"]["p99_s"] is None
+            else round(r["observation"]["tpot"]["p99_s"] * 1e3, 1)
+            for r in rows
+        ],
+        "batch": [r["from"]["max_batch_size"] for r in rows],
+    }
+
+
+if __name__ == "__main__":
+    main()
