@@ -1,10 +1,14 @@
 """``slotune control`` live on this CPU (issue 20): real Ray Serve, a real Prometheus.
 
 The built-in ``small`` app is deployed on a local Ray (as ``slotune tune`` does), a
-Prometheus (Debian's package) scrapes Ray's metrics port every second, and an open load
-steps: ``--low`` req/s of short answers, then ``--high`` req/s, then ``--long-rate`` req/s
-of answers ``--long-tokens`` long. Both variants start from the limit an operator set for
-the old, light load (``--start-batch``, admission = batch) and see the same load:
+Prometheus (Debian's package) scrapes Ray's metrics port every second, and a closed-loop
+load steps: ``--low`` clients asking for short answers, then ``--high`` clients, then
+``--long-clients`` clients asking for answers ``--long-tokens`` long (each client sends its
+next request when its last one ends; those beyond the admission limit wait in Serve's
+queue). An open load was tried first: on two cores its 96 connections in flight starved
+the engine (4-7 completions a second where a closed loop gets 23). Both variants start from
+the limit an operator set for the old, light load (``--start-batch``, admission = batch)
+and see the same load:
 
 - ``fixed``: that limit all along (``run_control`` in a dry run: it reads and audits the
   same PromQL windows and changes nothing);
@@ -43,13 +47,13 @@ def cpu() -> str:
     return platform.processor() or "unknown"
 
 
-def phases(args) -> list[tuple[str, float, float, int]]:
-    """(name, seconds, rate req/s, output tokens) of each load step."""
+def phases(args) -> list[tuple[str, float, int, int]]:
+    """(name, seconds, clients, output tokens) of each load step."""
     a, b, c = args.phase_s
     return [
         ("light", a, args.low, args.tokens),
         ("step up", b, args.high, args.tokens),
-        ("longer answers", c, args.long_rate, args.long_tokens),
+        ("longer answers", c, args.long_clients, args.long_tokens),
     ]
 
 
@@ -60,17 +64,16 @@ def offer(url: str, plan, stop: threading.Event, marks: list[float]) -> None:
     from serving.sim.workload import LengthDist
 
     async def go() -> None:
-        for i, (_, secs, rate, tokens) in enumerate(plan):
+        for i, (_, secs, clients, tokens) in enumerate(plan):
             marks.append(time.time())
             if stop.is_set():
                 return
             spec = LoadSpec(
                 url=completions_url(url),
-                mode="open",
-                rate_rps=rate,
-                concurrency=96,
+                mode="closed",
+                concurrency=clients,
                 duration_s=secs,
-                max_requests=int(rate * secs * 2) + 10,
+                max_requests=int(100 * secs) + 10,
                 prompt_tokens=LengthDist(mean=16),
                 output_tokens=LengthDist(mean=tokens),
                 seed=i,
@@ -91,9 +94,9 @@ def offer(url: str, plan, stop: threading.Event, marks: list[float]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase-s", type=float, nargs=3, default=[120.0, 240.0, 240.0])
-    ap.add_argument("--low", type=float, default=6.0)
-    ap.add_argument("--high", type=float, default=20.0)
-    ap.add_argument("--long-rate", type=float, default=10.0)
+    ap.add_argument("--low", type=int, default=4, help="clients, light load")
+    ap.add_argument("--high", type=int, default=24, help="clients after the step")
+    ap.add_argument("--long-clients", type=int, default=24, help="clients, longer answers")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--long-tokens", type=int, default=16)
     ap.add_argument("--start-batch", type=int, default=32)
