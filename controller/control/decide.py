@@ -24,7 +24,9 @@ What it does, in order:
 2. **Burn → rollback**: over the last ``burn_window_s`` the share of requests that missed
    the SLO exceeds ``burn_rate`` times the error budget (1 - the SLO's quantile): re-apply
    the last known-good knobs at once and latch ``degraded`` until acknowledged (Argo
-   Rollouts' abort); with none known good other than what runs, latch and go on as below.
+   Rollouts' abort). Only smaller ones: knobs larger than those running were good under
+   another load (a step up in traffic burns the budget too), and going back up is never
+   the remedy; without smaller known-good knobs it latches and goes on as below.
    While degraded it may tighten, never loosen.
 3. **Tighten fast**: at once on a violated window, or on ``near_windows`` met windows in a
    row whose p99 reached ``tighten_at`` of its SLO (one such window alone is within the
@@ -171,6 +173,13 @@ def _on_curve(curve: tuple[tuple[int, float], ...], b: int) -> float:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _below(a: Knobs, b: Knobs) -> bool:
+    """``a`` admits no more than ``b`` on either limit, and less on one."""
+    return (
+        a.max_batch_size <= b.max_batch_size and a.max_concurrency <= b.max_concurrency and a != b
+    )
+
+
 def _step_down(x: int, policy: Policy) -> int:
     """``x`` x ``decrease``, by at most ``max_step`` of it and at least 1."""
     bounded = max(math.floor(x * policy.decrease), math.ceil(x * (1 - policy.max_step)))
@@ -304,7 +313,7 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
             f"{1 - policy.slo.quantile:.0%} budget)"
         )
         good = st.last_good
-        if good is not None and good != cur:
+        if good is not None and _below(good, cur):
             why = f"{burning}; back to {good}, the last known good"
             s = replace(
                 st,
@@ -318,9 +327,10 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
             return Decision(
                 outcome=outcome, action=Action.ROLLBACK, knobs=good, reason=why, state=s
             )
-        # nothing known good to go back to (or it is what runs): latch, then act as any
-        # window would (tighten on TPOT, hold on queueing)
-        st = replace(st, degraded=f"{burning}; no other known-good knobs than {cur}")
+        # no smaller known-good knobs to go back to: larger ones were good under another
+        # load, and going back up is never the remedy; latch, then act as any window would
+        # (tighten on TPOT, hold on queueing)
+        st = replace(st, degraded=f"{burning}; no smaller known-good knobs than {cur}")
 
     # 3. tighten at once
     hot_tpot = violated_tpot = False

@@ -251,6 +251,15 @@ def test_burning_the_error_budget_rolls_back_and_latches_until_acked() -> None:
     assert not st.degraded and st.knobs == good
 
 
+def test_a_burn_after_tightening_never_goes_back_up_to_the_old_loads_knobs() -> None:
+    # B=32 met under a light load; the load stepped up and the controller is tightening
+    big = Knobs(max_batch_size=32, max_concurrency=32)
+    st = State(knobs=K16, last_good=big)
+    d = tick(obs(60, tpot=1.3, missed=200), st)
+    assert d.action is Action.TIGHTEN and d.knobs.max_batch_size == 14
+    assert d.state.degraded and "no smaller known-good" in d.state.degraded
+
+
 def test_burning_with_nothing_known_good_latches_and_acts_on_the_window() -> None:
     # TPOT violated and 30% missed, nothing met before: latched, and tightened as usual
     d = tick(obs(60, tpot=1.3, missed=150))
