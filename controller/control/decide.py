@@ -341,6 +341,10 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         ttft_share >= policy.tighten_at
     )
     violated_ttft = o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED
+    if violated_ttft and not violated_tpot:
+        # TTFT judged over and TPOT only near: the TTFT is the trouble; a smaller batch
+        # would queue more (live: B=19 -> 17 took p99 TTFT from 149% to 240% of its SLO)
+        hot_tpot = False
     near = (hot_tpot or hot_ttft) and not (violated_tpot or violated_ttft)
     if near and st.near + 1 < policy.near_windows:
         # met, but near the SLO: once may be one noisy window; again in a row tightens

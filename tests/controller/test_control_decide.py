@@ -158,6 +158,12 @@ def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason
     d = tick(obs(100, ttft=1.2, tpot=1.2), State(knobs=K16))  # TPOT too: the batch
     assert d.knobs == Knobs(max_batch_size=14, max_concurrency=14)
+    # TPOT only near its SLO while TTFT is over: still the TTFT's rule (hold), twice over
+    st = State(knobs=K16)
+    for end in (100, 200):
+        d = tick(obs(end, ttft=1.5, tpot=0.99), st)
+        assert d.action is Action.HOLD and "more replicas" in d.reason
+        st = d.state
 
 
 def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
