@@ -31,7 +31,8 @@ What it does, in order:
 3. **Tighten fast**: at once on a violated window, or on ``near_windows`` met windows in a
    row whose p99 reached ``tighten_at`` of its SLO (one such window alone is within the
    noise of a p99 near the operating point). TPOT trouble lowers the batch limit
-   (x ``decrease``, at least 1, at most ``max_step`` of it) and the admission limit with it
+   (x ``decrease``, at least 1; deeper, to at most ``max_step`` of it, where the curve puts
+   the p99 back under ``loosen_below`` only further down) and the admission limit with it
    at the same headroom; TTFT trouble alone lowers the admission limit toward the batch
    limit (shedding at the door) and, once they meet, holds: TTFT is then queueing for the
    batch, and a smaller batch would serve fewer and queue more (more replicas are needed).
@@ -372,7 +373,22 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         if not hot_tpot:  # TTFT alone: shed at the door
             new = Knobs(max_batch_size=b, max_concurrency=max(b, _step_down(c, policy)))
         else:
-            new = policy.knobs(max(policy.batch_min, _step_down(b, policy)))
+            # x decrease, or deeper (to the max_step bound) where the curve puts the p99
+            # back under loosen_below only further down: a large overshoot in one tick
+            nb = _step_down(b, policy)
+            floor = min(nb, max(policy.batch_min, math.ceil(b * (1 - policy.max_step))))
+            p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # hot: judged
+            goal = policy.loosen_below * policy.slo.tpot_p99_s
+            if math.isfinite(p99) and policy.predict_tpot_s(b, p99, nb) > goal:
+                nb = next(
+                    (
+                        x
+                        for x in range(nb, floor - 1, -1)
+                        if policy.predict_tpot_s(b, p99, x) <= goal
+                    ),
+                    floor,
+                )
+            new = policy.knobs(max(policy.batch_min, nb))
         what = "TPOT" if hot_tpot else "TTFT"
         share = tpot_share if hot_tpot else ttft_share
         if new == cur:

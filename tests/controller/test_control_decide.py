@@ -76,11 +76,11 @@ CASES = [
         K16,
     ),
     (
-        "TPOT violated: tighten",
+        "TPOT violated by 30%: tighten to where p99 ~ B puts it at 90%, by at most 25%",
         dict(o=obs(100, tpot=1.3)),
         Outcome.VIOLATED,
         Action.TIGHTEN,
-        Knobs(max_batch_size=14, max_concurrency=14),
+        Knobs(max_batch_size=12, max_concurrency=12),
     ),
     ("too few requests: hold", dict(o=obs(100, n=40)), Outcome.INCONCLUSIVE, Action.HOLD, K16),
     (
@@ -88,7 +88,7 @@ CASES = [
         dict(o=obs(100, tpot=1.5, vt=Verdict.INSUFFICIENT)),
         Outcome.VIOLATED,
         Action.TIGHTEN,
-        Knobs(max_batch_size=14, max_concurrency=14),
+        Knobs(max_batch_size=12, max_concurrency=12),
     ),
     (
         "p99 over the SLO but undecided: hold, never act on a guess",
@@ -138,6 +138,13 @@ def test_one_tick(case, inp, outcome, action, knobs) -> None:
     assert d.reason  # every decision says why
 
 
+def test_a_small_overshoot_tightens_by_the_decrease_a_large_one_deeper() -> None:
+    assert tick(obs(100, tpot=1.02)).knobs.max_batch_size == 14  # x0.9 puts it at 89%
+    flat = replace(POLICY, curve=((8, 0.09), (16, 0.1), (32, 0.12)))
+    d = decide(Signals(observation=obs(100, tpot=1.3)), State(knobs=K16), flat)
+    assert d.knobs.max_batch_size == 12  # a flat curve: no batch >= 12 gets under 90%
+
+
 def test_near_the_slo_twice_in_a_row_tightens_and_a_window_between_resets_it() -> None:
     d1 = tick(obs(100, tpot=0.97))
     d2 = tick(obs(200, tpot=0.96), d1.state)
@@ -157,7 +164,7 @@ def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     d = tick(obs(100, ttft=1.2), State(knobs=K16))  # no headroom left: queueing, hold
     assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason
     d = tick(obs(100, ttft=1.2, tpot=1.2), State(knobs=K16))  # TPOT too: the batch
-    assert d.knobs == Knobs(max_batch_size=14, max_concurrency=14)
+    assert d.knobs == Knobs(max_batch_size=12, max_concurrency=12)
     # TPOT only near its SLO while TTFT is over: still the TTFT's rule (hold), twice over
     st = State(knobs=K16)
     for end in (100, 200):
@@ -173,7 +180,8 @@ def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
 
 
 def test_a_tick_step_is_bounded_and_at_least_one() -> None:
-    for b, want in ((2, 1), (10, 9), (100, 90)):
+    # p99 at 2x the SLO: as deep as max_step allows (x0.75), at least 1
+    for b, want in ((2, 1), (10, 8), (100, 75)):
         p = replace(POLICY, batch_max=128)
         d = decide(
             Signals(observation=obs(100, tpot=2.0)),
@@ -262,7 +270,7 @@ def test_a_burn_after_tightening_never_goes_back_up_to_the_old_loads_knobs() -> 
     big = Knobs(max_batch_size=32, max_concurrency=32)
     st = State(knobs=K16, last_good=big)
     d = tick(obs(60, tpot=1.3, missed=200), st)
-    assert d.action is Action.TIGHTEN and d.knobs.max_batch_size == 14
+    assert d.action is Action.TIGHTEN and d.knobs.max_batch_size == 12
     assert d.state.degraded and "no smaller known-good" in d.state.degraded
 
 
@@ -307,7 +315,7 @@ def test_drift_pauses_every_tick_until_acked_then_adopts_the_live_knobs() -> Non
         st = d.state
     st = acknowledge(st, live=theirs)
     d = tick(obs(180, tpot=1.5), st, live=theirs)
-    assert d.action is Action.TIGHTEN and d.knobs == Knobs(max_batch_size=36, max_concurrency=36)
+    assert d.action is Action.TIGHTEN and d.knobs == Knobs(max_batch_size=30, max_concurrency=30)
 
 
 @pytest.mark.parametrize(

@@ -147,7 +147,7 @@ def test_prometheus_down_holds_never_loosens_and_recovers(tmp_path) -> None:
     # the calm before the outage does not count toward loosening after it
     assert [r["action"] for r in rows[:7]] == ["hold"] * 7
     assert rows[7]["action"] == "tighten" and act.applied == [
-        Knobs(max_batch_size=14, max_concurrency=14)
+        Knobs(max_batch_size=12, max_concurrency=12)
     ]
     assert state.knobs == act.knobs
 
@@ -195,7 +195,7 @@ def test_every_tick_is_audited_saved_and_exported(tmp_path) -> None:
     assert rows[1]["observation"]["completed"] == 500
     text = exp.text()
     assert f'{names.CONTROLLER_DECISIONS_TOTAL}{{action="tighten",outcome="violated"}} 1.0' in text
-    assert f'{names.CONTROLLER_KNOB}{{knob="max_batch_size"}} 14.0' in text
+    assert f'{names.CONTROLLER_KNOB}{{knob="max_batch_size"}} 12.0' in text
 
 
 def test_a_second_controller_is_refused_while_the_first_holds_the_lease(tmp_path) -> None:
@@ -248,7 +248,7 @@ def test_sigkilled_and_restarted_it_resumes_on_the_same_knobs(tmp_path) -> None:
         if child.poll() is None:
             child.kill()
     killed = load_state(tmp_path / "state.json")
-    assert killed is not None and killed.knobs == Knobs(max_batch_size=10, max_concurrency=10)
+    assert killed is not None and killed.knobs == Knobs(max_batch_size=7, max_concurrency=7)
     # restarted (the lease died with it): the same knobs, nothing applied at start
     act = FakeActuator(killed.knobs)
     state, _ = run(tmp_path, [0.8], act, ticks=1)
