@@ -174,6 +174,16 @@ def _on_curve(curve: tuple[tuple[int, float], ...], b: int) -> float:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _loosen_to(b: int, p99: float, policy: Policy, *, top: int | None = None) -> int:
+    """The largest batch above ``b``, up to ``top`` and by at most ``max_step``, whose p99
+    TPOT the curve predicts under ``loosen_below`` of the SLO from ``p99`` at ``b``; ``b``
+    when none is."""
+    hi = max(b + 1, math.floor(b * (1 + policy.max_step)))
+    hi = min(policy.batch_max, hi if top is None else min(hi, top))
+    goal = policy.loosen_below * policy.slo.tpot_p99_s
+    return next((x for x in range(hi, b, -1) if policy.predict_tpot_s(b, p99, x) <= goal), b)
+
+
 def _below(a: Knobs, b: Knobs) -> bool:
     """``a`` admits no more than ``b`` on either limit, and less on one."""
     return (
@@ -362,7 +372,30 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         b, c = cur.max_batch_size, cur.max_concurrency
         if not hot_tpot and c == b:
             # TTFT alone with no admission headroom left: it is queueing for the batch, and
-            # a smaller batch would serve fewer and queue more
+            # a smaller batch would serve fewer and queue more. With TPOT under
+            # loosen_below a larger batch serves the queue: up at once, as far as the curve
+            # keeps TPOT under loosen_below (live, longer answers left B=18 at p99 TTFT
+            # 240% and TPOT ~55% where B=32 met both); else hold.
+            p99 = o.tpot_verdict.estimate_s if o.tpot_verdict is not None else math.nan
+            if tpot_share <= policy.loosen_below and math.isfinite(p99) and not st.degraded:
+                nb = _loosen_to(b, p99, policy)
+                if nb > b:
+                    new = policy.knobs(nb)
+                    why = (
+                        f"p99 TTFT at {ttft_share:.0%} of its SLO from queueing at {cur} with "
+                        f"TPOT at {tpot_share:.0%}: the curve predicts p99 TPOT "
+                        f"{policy.predict_tpot_s(b, p99, nb) * 1e3:.0f} ms at {new}: "
+                        f"{cur} -> {new}"
+                    )
+                    s = replace(st, knobs=new, calm_since=None, last_change_s=now, near=0)
+                    return Decision(
+                        outcome=outcome,
+                        action=Action.LOOSEN,
+                        knobs=new,
+                        reason=why,
+                        state=s,
+                        predicted_tpot_s=policy.predict_tpot_s(b, p99, nb),
+                    )
             return hold(
                 outcome,
                 f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
@@ -432,12 +465,10 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
     # Calm for the whole stabilization window: up by the step, each tick the calm lasts,
     # to the largest batch of the step the curve predicts under tighten_at of the SLO.
     b = cur.max_batch_size
-    step = max(policy.increase, round(b * policy.increase_share))
-    top = min(policy.batch_max, b + step, max(b + 1, math.floor(b * (1 + policy.max_step))))
     p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # MET: a finite estimate
-    goal = policy.loosen_below * policy.slo.tpot_p99_s
-    nb = next((x for x in range(top, b, -1) if policy.predict_tpot_s(b, p99, x) <= goal), b)
-    if top <= b:
+    step = max(policy.increase, round(b * policy.increase_share))
+    nb = _loosen_to(b, p99, policy, top=b + step)
+    if b >= policy.batch_max:
         return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
     if nb == b:
         predicted = policy.predict_tpot_s(b, p99, b + 1)

@@ -161,7 +161,10 @@ def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     d = tick(obs(100, ttft=1.2), State(knobs=k))
     assert d.action is Action.TIGHTEN
     assert d.knobs == Knobs(max_batch_size=16, max_concurrency=21)
-    d = tick(obs(100, ttft=1.2), State(knobs=K16))  # no headroom left: queueing, hold
+    d = tick(obs(100, ttft=1.2), State(knobs=K16))  # queueing, TPOT at 50%: serve it
+    assert d.action is Action.LOOSEN and d.knobs == Knobs(max_batch_size=20, max_concurrency=20)
+    assert d.predicted_tpot_s == pytest.approx(0.05 * 20 / 16)
+    d = tick(obs(100, ttft=1.2, tpot=0.92), State(knobs=K16))  # no TPOT room: hold
     assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason
     d = tick(obs(100, ttft=1.2, tpot=1.2), State(knobs=K16))  # TPOT too: the batch
     assert d.knobs == Knobs(max_batch_size=12, max_concurrency=12)
