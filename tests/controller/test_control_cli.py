@@ -78,7 +78,9 @@ def test_a_dry_run_reads_prometheus_and_recommends_without_acting(
     assert judged, [r["reason"] for r in rows]
     for r in judged:
         assert (r["outcome"], r["action"]) == ("violated", "tighten"), r["reason"]
-        assert r["to"] == {"max_batch_size": 14, "max_concurrency": 14}
+        # p99 TPOT ~1.5x the SLO: cut by x0.9 at least and by the 25% bound at most
+        b = r["to"]["max_batch_size"]
+        assert 12 <= b <= 14 and r["to"]["max_concurrency"] == b
         assert r["observation"]["tpot"]["verdict"] == "violated"
         assert r["observation"]["completed"] >= 50
         assert r["dry_run"] and not r["applied"]
