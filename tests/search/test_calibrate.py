@@ -154,9 +154,11 @@ def test_bandwidth_reads_a_filled_tensor() -> None:
 def test_kv_rate_counts_the_bytes_of_every_layer() -> None:
     # Twice the context is twice the bytes: the rate must stay of the same order,
     # not double (which would mean the bytes were counted but not read).
+    # Best of three runs each: one run on a shared machine can be descheduled (a CI run
+    # read 1.5 GB/s at 256 beside 17.8 at 512).
     dev = torch.device("cpu")
-    small = measure_kv_rate(dev, "fp32", TINY, [4], 256, reps=3)[4]
-    large = measure_kv_rate(dev, "fp32", TINY, [4], 512, reps=3)[4]
+    small = max(measure_kv_rate(dev, "fp32", TINY, [4], 256, reps=3)[4] for _ in range(3))
+    large = max(measure_kv_rate(dev, "fp32", TINY, [4], 512, reps=3)[4] for _ in range(3))
     assert small > 0 and large > 0 and large / small < 10
 
 
