@@ -138,11 +138,7 @@ def main() -> None:
     lattice = sorted({max(1, round(space.batch_max * 0.85**i)) for i in range(40)})
     lattice = [b for b in lattice if b >= max(2, space.batch_max // 64)]
     curve, canary = canary_curve(args.scenario, lattice)
-    canary_rps = (
-        base.run(canary, seed=7, whole=True).observation.goodput_rps
-        if canary is not None
-        else math.nan
-    )
+    canary_rps = base.run(canary, seed=7, whole=True).observation.goodput_rps
     a, _, b = args.long_hours.partition("-")
     long_hours = (int(a), int(b))
     hours = hour_targets(args.scenario, args.peak * canary_rps, args.low, args.long, long_hours)

@@ -285,6 +285,24 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         s = replace(st, holds=st.holds + 1, **kw)  # type: ignore[arg-type]
         return Decision(outcome=outcome, action=Action.HOLD, knobs=cur, reason=why, state=s)
 
+    def change(
+        outcome: Outcome,
+        action: Action,
+        new: Knobs,
+        why: str,
+        predicted: float = math.nan,
+        **kw: object,
+    ) -> Decision:
+        s = replace(st, knobs=new, last_change_s=now, **kw)  # type: ignore[arg-type]
+        return Decision(
+            outcome=outcome,
+            action=action,
+            knobs=new,
+            reason=why,
+            state=s,
+            predicted_tpot_s=predicted,
+        )
+
     # 1. someone else's knobs: pause
     if signals.live is not None and signals.live != cur:
         return Decision(
@@ -326,17 +344,15 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         good = st.last_good
         if good is not None and _below(good, cur):
             why = f"{burning}; back to {good}, the last known good"
-            s = replace(
-                st,
-                knobs=good,
+            return change(
+                outcome,
+                Action.ROLLBACK,
+                good,
+                why,
                 degraded=why,
                 calm_since=None,
-                last_change_s=now,
                 rollbacks=st.rollbacks + 1,
                 near=0,
-            )
-            return Decision(
-                outcome=outcome, action=Action.ROLLBACK, knobs=good, reason=why, state=s
             )
         # no smaller known-good knobs to go back to: larger ones were good under another
         # load, and going back up is never the remedy; latch, then act as any window would
@@ -344,14 +360,10 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         st = replace(st, degraded=f"{burning}; no smaller known-good knobs than {cur}")
 
     # 3. tighten at once
-    hot_tpot = violated_tpot = False
-    if o.tpot_verdict is not None:
-        violated_tpot = o.tpot_verdict.verdict is Verdict.VIOLATED
-        hot_tpot = violated_tpot or tpot_share >= policy.tighten_at
-    hot_ttft = (o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED) or (
-        ttft_share >= policy.tighten_at
-    )
+    violated_tpot = o.tpot_verdict is not None and o.tpot_verdict.verdict is Verdict.VIOLATED
     violated_ttft = o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED
+    hot_tpot = o.tpot_verdict is not None and (violated_tpot or tpot_share >= policy.tighten_at)
+    hot_ttft = violated_ttft or ttft_share >= policy.tighten_at
     if violated_ttft and not violated_tpot:
         # TTFT judged over and TPOT only near: the TTFT is the trouble; a smaller batch
         # would queue more (live: B=19 -> 17 took p99 TTFT from 149% to 240% of its SLO)
@@ -381,20 +393,14 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
                 nb = _loosen_to(b, p99, policy)
                 if nb > b:
                     new = policy.knobs(nb)
+                    predicted = policy.predict_tpot_s(b, p99, nb)
                     why = (
                         f"p99 TTFT at {ttft_share:.0%} of its SLO from queueing at {cur} with "
                         f"TPOT at {tpot_share:.0%}: the curve predicts p99 TPOT "
-                        f"{policy.predict_tpot_s(b, p99, nb) * 1e3:.0f} ms at {new}: "
-                        f"{cur} -> {new}"
+                        f"{predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
                     )
-                    s = replace(st, knobs=new, calm_since=None, last_change_s=now, near=0)
-                    return Decision(
-                        outcome=outcome,
-                        action=Action.LOOSEN,
-                        knobs=new,
-                        reason=why,
-                        state=s,
-                        predicted_tpot_s=policy.predict_tpot_s(b, p99, nb),
+                    return change(
+                        outcome, Action.LOOSEN, new, why, predicted, calm_since=None, near=0
                     )
             return hold(
                 outcome,
@@ -429,8 +435,7 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
             f"p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%}):"
             f" {cur} -> {new}"
         )
-        s = replace(st, knobs=new, calm_since=None, last_change_s=now, near=0)
-        return Decision(outcome=outcome, action=Action.TIGHTEN, knobs=new, reason=why, state=s)
+        return change(outcome, Action.TIGHTEN, new, why, calm_since=None, near=0)
 
     # met, under tighten_at on both: a known-good point
     st = replace(st, last_good=cur, near=0)
@@ -457,13 +462,13 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
             f"{policy.stabilization_s:g} s stabilization window: holding {cur}",
         )
     # Calm for the whole stabilization window: up by the step, each tick the calm lasts,
-    # to the largest batch of the step the curve predicts under tighten_at of the SLO.
+    # to the largest batch of the step the curve predicts under loosen_below of the SLO.
     b = cur.max_batch_size
+    if b >= policy.batch_max:
+        return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
     p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # MET: a finite estimate
     step = max(policy.increase, round(b * policy.increase_share))
     nb = _loosen_to(b, p99, policy, top=b + step)
-    if b >= policy.batch_max:
-        return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
     if nb == b:
         predicted = policy.predict_tpot_s(b, p99, b + 1)
         return hold(
@@ -477,15 +482,7 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         f"met under {policy.loosen_below:.0%} of the SLO with demand queueing for "
         f"{waited:.0f} s; predicted p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
     )
-    s = replace(st, knobs=new, last_change_s=now)
-    return Decision(
-        outcome=outcome,
-        action=Action.LOOSEN,
-        knobs=new,
-        reason=why,
-        state=s,
-        predicted_tpot_s=predicted,
-    )
+    return change(outcome, Action.LOOSEN, new, why, predicted)
 
 
 def policy_from_curve(report: dict[str, Any], *, slo: Slo, **kw: Any) -> Policy:
