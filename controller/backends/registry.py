@@ -9,7 +9,8 @@ from controller.backends.actuator import Actuator
 if TYPE_CHECKING:
     from metrics.observation import Slo
 
-ACTUATORS = ("serve", "serve-llm", "none", "embedded")
+APPLY_TIMEOUT_S = 120.0  # how long an apply may wait for every replica to run the new knobs
+ACTUATORS = ("serve", "serve-llm", "kuberay", "none", "embedded")
 
 
 def make_actuator(
@@ -20,7 +21,9 @@ def make_actuator(
     batch_knob: str | None = None,
     dashboard_url: str | None = None,
     slo: Slo | None = None,
-    apply_timeout_s: float = 120.0,
+    apply_timeout_s: float = APPLY_TIMEOUT_S,
+    rayservice: str | None = None,
+    namespace: str | None = None,
 ) -> Actuator:
     """The actuator ``name`` for ``app`` (ValueError naming the choices if unknown)."""
     if name not in ACTUATORS:
@@ -35,6 +38,20 @@ def make_actuator(
         from controller.backends.embedded import EmbeddedActuator
 
         return EmbeddedActuator(app=app, slo=slo, apply_timeout_s=apply_timeout_s)
+    if name == "kuberay":
+        if rayservice is None:
+            raise ValueError("actuator 'kuberay' needs the RayService's name (--rayservice)")
+        from controller.backends.kuberay import KubeRayActuator
+
+        return KubeRayActuator(
+            app=app,
+            rayservice=rayservice,
+            namespace=namespace,
+            deployment=deployment,
+            batch_knob=batch_knob,
+            dashboard_url=dashboard_url,
+            apply_timeout_s=apply_timeout_s,
+        )
     if name == "serve-llm":
         from controller.backends.serve_llm import ServeLLMActuator
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from controller.backends.actuator import (
@@ -185,12 +186,11 @@ class ServeActuator:
         return frozenset()
 
     def plan(
-        self, details: dict[str, Any], knobs: Knobs, batch: int
+        self, old: dict[str, Any], details: dict[str, Any], knobs: Knobs, batch: int
     ) -> tuple[dict[str, Any], bool]:
-        """(new app config with ``batch`` and the knobs' admission limit, whether it
-        restarts replicas); ActuatorError, before anything is sent, when it would restart
-        them where that is not allowed."""
-        old = self._app_config(details)
+        """(``old``, the app's declared config, with ``batch`` and the knobs' admission limit;
+        whether that restarts replicas); ActuatorError, before anything is sent, when it
+        would restart them where that is not allowed."""
         dep = deployment_details(details, self.app, self.deployment)
         new = with_knobs(
             old,
@@ -212,6 +212,15 @@ class ServeActuator:
         restarts = any(e != "live" for _, e in restarting_changes(old, new))
         return new, restarts
 
+    def write(
+        self, details: dict[str, Any], rebuild: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> None:
+        """Declare ``rebuild(the app's declared config)`` as the app's config: here the
+        whole declarative set, through Serve's REST API (a subclass writes where its
+        platform declares it, re-reading and rebuilding when the write races another)."""
+        new = rebuild(self._app_config(details))
+        self.rest.put(details, replace_app(declarative_apps(details), new))
+
     def _in_effect(self, knobs: Knobs, batch: int, dep: dict[str, Any]) -> bool:
         cfg = dep.get("deployment_config") or {}
         if cfg.get("max_ongoing_requests") != int(knobs.max_concurrency):
@@ -224,13 +233,14 @@ class ServeActuator:
         t0 = time.monotonic()
         batch = int(knobs.max_batch_size if batch_cap is None else batch_cap)
         details = self.rest.details()
-        new, restarts = self.plan(details, knobs, batch)
-        if new == self._app_config(details):
+        old = self._app_config(details)
+        new, restarts = self.plan(old, details, knobs, batch)
+        if new == old:
             dep = self.rest.wait(self.app, self.deployment, lambda d: True, timeout_s=30.0)
             if self._in_effect(knobs, batch, dep):
                 return ApplyCost(seconds=time.monotonic() - t0, changed=False)
         before = {r[0] for r in fleet_of(deployment_details(details, self.app, self.deployment))}
-        self.rest.put(details, replace_app(declarative_apps(details), new))
+        self.write(details, lambda cfg: self.plan(cfg, details, knobs, batch)[0])
         log.info(
             "applied %s (batch %d) to %s/%s (restart: %s)",
             knobs,

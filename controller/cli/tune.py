@@ -268,7 +268,8 @@ def tune(
     flags.price("--price-per-hour", price_per_hour)
     if model not in MODELS:
         raise BadInput(f"--model {model}: choose one of {', '.join(MODELS)}")
-    _choice("--actuator", actuator, tuple(a for a in ACTUATORS if a != "embedded"))
+    # a canary is its own Serve app, tuned through Serve (kuberay: slotune control's)
+    _choice("--actuator", actuator, tuple(a for a in ACTUATORS if a not in ("embedded", "kuberay")))
     _choice("--metrics-profile", metrics_profile, PROFILE_NAMES)
     _choice("--endpoint", endpoint, ENDPOINTS)
     _choice("--prompt-format", prompt_format, PROMPT_FORMATS)
