@@ -31,7 +31,8 @@ def api_client() -> Any:
             cfg = client.Configuration()
             config.load_incluster_config(client_configuration=cfg)
             return client.ApiClient(cfg)
-        return config.new_client_from_config()
+        # KUBECONFIG read now: the client reads it once, at import
+        return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
     except config.ConfigException as e:
         raise ActuatorError(
             f"no Kubernetes credentials ({e}): run in a pod with a ServiceAccount, or set "

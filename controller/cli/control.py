@@ -81,7 +81,15 @@ def _policy(
 def control(
     app: str = typer.Option(..., "--app", help="The Serve application to control."),
     actuator: str = typer.Option(
-        "serve", "--actuator", help="How changes reach it: serve, serve-llm, embedded, none."
+        "serve",
+        "--actuator",
+        help="How changes reach it: serve, serve-llm, kuberay (the RayService CR), embedded, none.",
+    ),
+    rayservice: str = typer.Option(
+        None, "--rayservice", help="kuberay: the RayService whose serveConfigV2 is changed."
+    ),
+    namespace: str = typer.Option(
+        None, "--namespace", help="kuberay: its namespace [the pod's own, else default]."
     ),
     deployment: str = typer.Option(None, "--deployment", help="The deployment within the app."),
     batch_knob: str = typer.Option(None, "--batch-knob", help="The batch limit's config path."),
@@ -121,14 +129,17 @@ def control(
     ack: bool = typer.Option(False, "--ack", help="Clear the degraded latch, adopt live knobs."),
     max_ticks: int = typer.Option(None, "--max-ticks", help="Stop after this many ticks."),
     metrics_port: int = typer.Option(
-        None, "--metrics-port", help="Serve the controller's own /metrics on 127.0.0.1:PORT."
+        None, "--metrics-port", help="Serve the controller's own /metrics on this port."
+    ),
+    metrics_host: str = typer.Option(
+        "127.0.0.1", "--metrics-host", help="...on this address (0.0.0.0 in a pod)."
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No line per tick on stderr."),
 ) -> None:
     """Keep the batch and admission limits at the operating point on live traffic: tighten at
     once when p99 nears the SLO, loosen slowly, hold on missing data, roll back on SLO burn."""
     from controller.backends.actuator import ActuatorError, ActuatorUnavailable
-    from controller.backends.registry import ACTUATORS, make_actuator
+    from controller.backends.registry import ACTUATORS, APPLY_TIMEOUT_S, make_actuator
     from controller.control.decide import acknowledge
     from controller.control.loop import ControlFailed, LoopConfig, ack_path, run_control
     from controller.control.store import Lease, LeaseHeld, load_state, save_state
@@ -148,6 +159,10 @@ def control(
         raise BadInput(f"--stabilization {stab!r}: must be a number of seconds >= 0")
     if actuator not in ACTUATORS:
         raise BadInput(f"--actuator {actuator}: choose one of {', '.join(ACTUATORS)}")
+    if (rayservice is not None or namespace is not None) and actuator != "kuberay":
+        raise BadInput(f"--rayservice/--namespace: only for --actuator kuberay, not {actuator}")
+    if actuator == "kuberay" and rayservice is None:
+        raise BadInput("--actuator kuberay: give --rayservice, the RayService to change")
     for flag, share in (("--tighten-at", tighten_at), ("--loosen-below", loosen_below)):
         if share is not None:
             _share(flag, share)
@@ -167,7 +182,7 @@ def control(
     try:
         act = make_actuator(
             actuator, app=app, deployment=deployment, batch_knob=batch_knob,
-            dashboard_url=dashboard_url, slo=slo,
+            dashboard_url=dashboard_url, slo=slo, rayservice=rayservice, namespace=namespace,
         )  # fmt: skip
     except (ActuatorError, ActuatorUnavailable, ValueError) as e:
         raise BadInput(f"--actuator {actuator}: {e}") from None
@@ -178,7 +193,11 @@ def control(
                 saved = load_state(state_path)
                 if saved is None:
                     raise BadInput(f"--ack: no controller state at {state_path}")
-                save_state(acknowledge(saved, act.current()), state_path)
+                try:
+                    live = act.current()
+                except (ActuatorError, ActuatorUnavailable) as e:
+                    raise BadInput(f"--ack: the live knobs cannot be read to adopt: {e}") from None
+                save_state(acknowledge(saved, live), state_path)
             typer.echo(f"slotune control: acknowledged ({state_path})", err=True)
         except LeaseHeld:
             ack_path(state_path).write_text("ack\n")
@@ -207,10 +226,26 @@ def control(
         from metrics.exporter import ControllerExporter
 
         exporter = ControllerExporter()
-        port = exporter.serve(metrics_port)
-        typer.echo(f"slotune control: metrics on http://127.0.0.1:{port}/metrics", err=True)
+        try:
+            port = exporter.serve(metrics_port, addr=metrics_host)
+        except OSError as e:
+            raise BadInput(f"--metrics-host/--metrics-port: {e}") from None
+        typer.echo(f"slotune control: metrics on http://{metrics_host}:{port}/metrics", err=True)
     say = (lambda s: None) if quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     say(f"slotune control: {app} via {act.name}, windows from {what}; state {state_path}")
+    cluster_lease = None
+    if actuator == "kuberay":
+        from controller.control.kube_lease import KubeLease, lease_name
+
+        # outlives a tick: its window, an apply that waits for every replica, and a retry
+        try:
+            cluster_lease = KubeLease(
+                lease_name(rayservice),
+                act.namespace,  # type: ignore[attr-defined]
+                duration_s=3 * interval_s + APPLY_TIMEOUT_S,
+            )
+        except ActuatorError as e:
+            raise BadInput(f"--actuator kuberay: {e}") from None
     try:
         run_control(
             reader=reader,
@@ -220,6 +255,7 @@ def control(
             audit_path=audit_path,
             config=LoopConfig(interval_s=interval_s, dry_run=dry_run, max_ticks=max_ticks),
             exporter=exporter,
+            cluster_lease=cluster_lease,
             say=say,
         )
     except LeaseHeld as e:

@@ -263,6 +263,22 @@ VALUE_CASES = [
     (["control", "--app", "a", "--prometheus-url", "9090"], "--prometheus-url 9090"),
     (["control", "--app", "a", "--actuator", "k8s"], "--actuator k8s"),
     (["control", "--app", "a", "--actuator", "none"], "give --curve"),
+    (["control", "--app", "a", "--actuator", "kuberay"], "give --rayservice"),
+    (["control", "--app", "a", "--rayservice", "rs"], "only for --actuator kuberay, not serve"),
+    (
+        [
+            "control",
+            "--app",
+            "a",
+            "--actuator",
+            "kuberay",
+            "--rayservice",
+            "rs",
+            "--max-batch",
+            "8",
+        ],
+        "no Kubernetes credentials",
+    ),  # fmt: skip
     (["control", "--app", "a", "--curve", "/nonexistent/curve.json"], "/nonexistent/curve.json"),
     (
         ["control", "--app", "a", "--actuator", "none", "--max-batch", "4"],
@@ -283,8 +299,10 @@ VALUE_CASES = [
 
 @pytest.mark.parametrize(("argv", "needle"), VALUE_CASES, ids=[" ".join(c[0]) for c in VALUE_CASES])
 def test_bad_value_is_one_line_and_exit_2(
-    argv: list[str], needle: str, tripwires: None, tmp_path: Path, capsys
+    argv: list[str], needle: str, tripwires: None, tmp_path: Path, capsys, monkeypatch
 ) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))  # no cluster to reach
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     if argv[0] == "tune":
         argv = [*argv, "--out", str(tmp_path / "o")]
     assert_one_line_exit_2(argv, needle, capsys)
