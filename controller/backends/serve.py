@@ -177,7 +177,9 @@ class ServeActuator:
             return None
 
     def fleet(self) -> Fleet:
-        return fleet_of(deployment_details(self.rest.details(), self.app, self.deployment))
+        dep = deployment_details(self.rest.details(), self.app, self.deployment)
+        running = [str(r.get("actor_id")) for r in dep.get("replicas") or []]
+        return fleet_of(dep, dead=self.rest.dead_actors(running))
 
     # -- changing -----------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from controller.backends.actuator import UNSETTLED, ActuatorError, ActuatorUnava
 log = logging.getLogger(__name__)
 
 APPS_PATH = "/api/serve/applications/"
+ACTORS_PATH = "/api/v0/actors"
 REDACTED = "<redacted>"  # the dashboard's mask for runtime_env values (runtime_env_redaction.py)
 POLL_S = 0.2
 
@@ -86,11 +87,15 @@ def settled(dep: dict[str, Any]) -> bool:
     )
 
 
-def fleet_of(dep: dict[str, Any]) -> Fleet:
+def fleet_of(dep: dict[str, Any], *, dead: frozenset[str] = frozenset()) -> Fleet:
     """(replica id, pid, version) of the RUNNING replicas; the version is the hash of the
-    deployment's config, marked :data:`UNSETTLED` while an update is under way."""
+    deployment's config, marked :data:`UNSETTLED` while an update is under way or when a
+    replica Serve still counts as RUNNING has an actor id in ``dead`` (Serve notices a
+    killed replica only at its next health check, up to ``health_check_period_s`` later)."""
     version = config_version(dep.get("deployment_config") or {})
-    if not settled(dep):
+    if dead & {str(r.get("actor_id")) for r in dep.get("replicas") or []}:
+        version = f"{UNSETTLED}REPLICA_DIED:{version}"
+    elif not settled(dep):
         version = f"{UNSETTLED}{enum_value(dep.get('status'))}:{version}"
     return tuple(
         sorted(
@@ -132,6 +137,31 @@ class ServeRest:
         if r.status_code != 200:
             raise ActuatorUnavailable(f"GET {APPS_PATH}: {r.status_code} {r.text[:200]}")
         return r.json()
+
+    def dead_actors(self, actor_ids: list[str]) -> frozenset[str]:
+        """Those of ``actor_ids`` the cluster's GCS no longer has ALIVE, through the state
+        API on the same dashboard (``GET /api/v0/actors``, ray/dashboard/modules/state/
+        state_head.py); empty when that cannot be read (then only Serve's view counts)."""
+        import httpx
+
+        dead = set()
+        for actor_id in actor_ids:
+            params = {
+                "filter_keys": "actor_id",
+                "filter_predicates": "=",
+                "filter_values": actor_id,
+            }
+            try:
+                r = self._http.get(ACTORS_PATH, params=params)
+                rows = r.json()["data"]["result"]["result"] if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                log.debug("the state API could not be read: %s", e)
+                return frozenset()
+            if rows is None:
+                return frozenset()
+            if rows and all(row.get("state") != "ALIVE" for row in rows):
+                dead.add(actor_id)
+        return frozenset(dead)
 
     def put(self, details: dict[str, Any], apps: list[dict[str, Any]]) -> None:
         """Write ``apps`` as the whole declarative set, keeping the instance-wide options

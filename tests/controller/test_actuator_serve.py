@@ -13,9 +13,10 @@ import asyncio
 import httpx
 import pytest
 
-from controller.backends.actuator import ActuatorError
+from controller.backends.actuator import UNSETTLED, ActuatorError
 from controller.backends.serve import ServeActuator
 from controller.targets import fleet_fault
+from tests.controller.test_control_loop import window
 from metrics.observation import Observation, Slo
 from search.space import Knobs
 
@@ -121,3 +122,62 @@ def test_a_window_never_spans_an_update(two_replicas) -> None:
         )
     )
     assert "changed during the window" in m.fault
+
+
+class _Calm:
+    """Calm, plentiful traffic in every window."""
+
+    def begin(self) -> str:
+        return "tok"
+
+    def end(self, token: str, *, start_s: float, end_s: float) -> Observation:
+        return window(start_s, end_s)
+
+
+def test_a_replica_killed_mid_window_is_no_decision_and_control_resumes(
+    two_replicas, tmp_path
+) -> None:
+    import json
+    import os
+    import signal
+    import time
+
+    from controller.control.decide import Policy, State
+    from controller.control.loop import LoopConfig, run_control
+    from controller.control.store import save_state
+    from serving.app.deploy import replica_pids
+
+    a = _actuator(two_replicas)
+    k = Knobs(max_batch_size=2, max_concurrency=8)
+    a.apply(k)
+    save_state(State(knobs=k), tmp_path / "state.json")
+    ticks = []
+
+    def sleep(s: float) -> None:
+        ticks.append(s)
+        if len(ticks) == 1:  # in the first window: SIGKILL one replica
+            os.kill(replica_pids(APP)[0], signal.SIGKILL)
+        elif len(ticks) == 2:  # then let Serve replace it before the next window
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                fleet = a.fleet()
+                if len(fleet) == 2 and not any(v.startswith(UNSETTLED) for *_, v in fleet):
+                    break
+                time.sleep(0.5)
+        time.sleep(s)
+
+    run_control(
+        reader=_Calm(),
+        actuator=a,
+        policy=Policy(slo=SLO, batch_max=8),
+        state_path=tmp_path / "state.json",
+        audit_path=tmp_path / "audit.jsonl",
+        config=LoopConfig(interval_s=1.0, max_ticks=3),
+        sleep=sleep,
+    )
+    rows = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert rows[0]["outcome"] == "inconclusive" and rows[0]["action"] == "hold", rows[0]
+    assert "mid-update" in rows[0]["reason"] or "replicas" in rows[0]["reason"], rows[0]
+    # the replacement replica is a new fleet: the windows after it are judged again
+    assert rows[-1]["outcome"] == "met", [r["reason"] for r in rows]
+    assert a.current() == k  # nothing was changed on a partial window
