@@ -16,9 +16,9 @@ import pytest
 from controller.backends.actuator import UNSETTLED, ActuatorError
 from controller.backends.serve import ServeActuator
 from controller.targets import fleet_fault
-from tests.controller.test_control_loop import window
 from metrics.observation import Observation, Slo
 from search.space import Knobs
+from tests.controller.test_control_loop import window
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
