@@ -53,6 +53,8 @@ def observation_from_histograms(
     note: str = "",
     ttft_estimate_s: float | None = None,
     tpot_estimate_s: float | None = None,
+    running: float = math.nan,
+    waiting: float = math.nan,
 ) -> Observation:
     """An Observation from a window's counter increases and cumulative bucket increases.
 
@@ -94,6 +96,8 @@ def observation_from_histograms(
         source=source,
         note="; ".join(notes),
         slo_met_known=met is not None,
+        running=running,
+        waiting=waiting,
     )
 
 

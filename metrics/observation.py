@@ -105,6 +105,11 @@ class Observation:
     # ``goodput_rps`` NaN: goodput must come from the client's own records
     # (``metrics.build.with_client_goodput``).
     slo_met_known: bool = True
+    # Requests in the decode batch, per replica, and requests waiting for a place in it,
+    # all replicas together: each the mean over the window (NaN when the server exports
+    # neither gauge). The batch runs below its limit when demand is short of it.
+    running: float = math.nan
+    waiting: float = math.nan
 
     @property
     def window_s(self) -> float:

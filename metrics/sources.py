@@ -23,7 +23,7 @@ from metrics.build import observation_from_histograms
 from metrics.errors import MalformedExposition, MetricsUnavailable, QueryRejected
 from metrics.observation import Observation, Slo
 from metrics.profiles import SLOTUNE, MetricsProfile
-from metrics.snapshot import Snapshot, bucket_window, counter_window, parse_exposition
+from metrics.snapshot import Labels, Snapshot, bucket_window, counter_window, parse_exposition
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,10 @@ class ScrapeSource:
         if staleness > self.max_staleness_s:
             notes.append(f"newest scrape is {staleness:.1f}s old (> {self.max_staleness_s}s)")
         met, missed = _split_completed(req or {}, prof, notes)
+        running, waiting = (
+            gauge_mean(start, end, [names.read_as(f, prefix=p) for f in fams], sel, across)
+            for fams, across in ((prof.running, "avg"), (prof.waiting, "sum"))
+        )
         return observation_from_histograms(
             slo=self.slo,
             start_s=start.time_s,
@@ -193,6 +197,8 @@ class ScrapeSource:
             stale=bool(notes),
             source=f"scrape {self.url} ({prof.name})",
             note="; ".join(x for x in [*notes, prof.tpot_remark(tpot_family)] if x),
+            running=running,
+            waiting=waiting,
         )
 
     def _histogram(
@@ -207,6 +213,24 @@ class ScrapeSource:
         return None, None
 
 
+def gauge_mean(
+    start: Snapshot, end: Snapshot, gauges: list[str], selector: Mapping[str, str], across: str
+) -> float:
+    """A gauge over a window of two scrapes: each series' mean of its two values, then their
+    ``avg`` or ``sum`` across series (replicas); NaN when neither scrape has it."""
+    name = end.first_present(gauges) or start.first_present(gauges)
+    if name is None:
+        return math.nan
+    series: dict[Labels, list[float]] = {}
+    for snap in (start, end):
+        for lab, v in snap.series(name, selector).items():
+            series.setdefault(lab, []).append(v)
+    means = [sum(v) / len(v) for v in series.values() if all(math.isfinite(x) for x in v)]
+    if not means:
+        return math.nan
+    return sum(means) / len(means) if across == "avg" else sum(means)
+
+
 def _label_matchers(selector: Mapping[str, str]) -> str:
     def esc(v: str) -> str:
         return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -217,7 +241,12 @@ def _label_matchers(selector: Mapping[str, str]) -> str:
 def counter_selector(families: tuple[str, ...], *, prefix: str, selector: Mapping[str, str]) -> str:
     """A PromQL series selector of a counter under every name it may be exposed as
     (``MetricsProfile.counter_samples``), restricted to ``selector``'s labels."""
-    samples = MetricsProfile.counter_samples(families, prefix=prefix)
+    return series_selector(MetricsProfile.counter_samples(families, prefix=prefix), selector)
+
+
+def series_selector(samples: list[str], selector: Mapping[str, str]) -> str:
+    """A PromQL selector of the series of any of the sample names ``samples``, restricted to
+    ``selector``'s labels."""
     alts = "|".join(re.escape(n) for n in samples)
     extra = _label_matchers(selector)
     return f'{{__name__=~"{alts}"{"," + extra if extra else ""}}}'
@@ -321,6 +350,8 @@ class PromQLSource:
         }
         tokens = self._increase(prof.generated_tokens, w, end)
         rejected = self._increase(prof.rejected, w, end)
+        running = self._gauge_mean("avg", prof.running, w, end)
+        waiting = self._gauge_mean("sum", prof.waiting, w, end)
         hist: dict[str, dict[float, float]] = {}
         est: dict[str, float] = {}
         family: dict[str, str | None] = {}
@@ -366,6 +397,8 @@ class PromQLSource:
             note="; ".join(x for x in [*notes, prof.tpot_remark(family["tpot"])] if x),
             ttft_estimate_s=est["ttft"],
             tpot_estimate_s=est["tpot"],
+            running=running,
+            waiting=waiting,
         )
 
     def _increase(self, families: tuple[str, ...], w: str, end: float) -> float:
@@ -374,6 +407,16 @@ class PromQLSource:
             return 0.0
         got = self.query(f"sum(increase({self._counter_sel(families)}{w}))", at=end)
         return got[0][1] if got else 0.0
+
+    def _gauge_mean(self, across: str, families: tuple[str, ...], w: str, end: float) -> float:
+        """A gauge's mean over the window, per series, then ``avg`` or ``sum`` across the
+        replicas' series; NaN when the server exports no such gauge."""
+        if not families:
+            return math.nan
+        gauges = [names.read_as(f, prefix=self.prefix) for f in families]
+        sel = series_selector(gauges, self.selector)
+        got = self.query(f"{across}(avg_over_time({sel}{w}))", at=end)
+        return got[0][1] if got else math.nan
 
 
 def _count(name: str, v: float, notes: list[str]) -> float:

@@ -222,7 +222,6 @@ class Signals:
     observation: Observation
     live: Knobs | None = None  # the knobs the deployment runs now (None: not readable)
     fault: str = ""  # the window spans a rollout or replica restart, or could not be read
-    waiting: float = math.nan  # requests waiting for admission at the window's end
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,10 +416,14 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # by at most max_step. Not by the canary's curve: measured under another load,
             # it is flatter than the hour's, and cuts taken from it overshot (a simulated
             # day lost 4-9% of goodput that way)
-            nb = _step_down(b, policy)
-            floor = min(nb, max(policy.batch_min, math.ceil(b * (1 - policy.max_step))))
+            # From the batch the replicas ran, when short of the limit: a cut from the
+            # limit alone does not reach it for ticks (live, with ~20 running under B=32
+            # the limit came down a tick at a time before TPOT moved)
+            run = _running_batch(o, b)
+            nb = _step_down(run, policy)
+            floor = min(nb, max(policy.batch_min, math.ceil(run * (1 - policy.max_step))))
             if math.isfinite(tpot_share) and tpot_share > 0:
-                nb = max(floor, min(nb, math.floor(b * policy.loosen_below / tpot_share)))
+                nb = max(floor, min(nb, math.floor(run * policy.loosen_below / tpot_share)))
             new = policy.knobs(max(policy.batch_min, nb))
         what = "TPOT" if hot_tpot else "TTFT"
         share = tpot_share if hot_tpot else ttft_share
@@ -439,7 +442,7 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
 
     # met, under tighten_at on both: a known-good point
     st = replace(st, last_good=cur, near=0)
-    queued = o.rejected > 0 or (math.isfinite(signals.waiting) and signals.waiting > 0)
+    queued = o.rejected > 0 or (math.isfinite(o.waiting) and o.waiting > 0)
     calm = ttft_share <= policy.loosen_below and tpot_share <= policy.loosen_below
     if st.degraded:
         return hold(
@@ -483,6 +486,14 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
         f"{waited:.0f} s; predicted p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
     )
     return change(outcome, Action.LOOSEN, new, why, predicted)
+
+
+def _running_batch(o: Observation, limit: int) -> int:
+    """The batch the replicas ran in the window: the mean running requests per replica,
+    rounded up, when the source has them and they are short of the limit; else the limit."""
+    if math.isfinite(o.running) and 0 < o.running < limit:
+        return max(1, math.ceil(o.running))
+    return limit
 
 
 def policy_from_curve(report: dict[str, Any], *, slo: Slo, **kw: Any) -> Policy:

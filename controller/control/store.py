@@ -158,6 +158,8 @@ def _summary(o: Observation) -> dict[str, Any]:
         "completed": o.completed,
         "slo_met": o.slo_met if o.slo_met_known else None,
         "rejected": o.rejected,
+        "running": _num(o.running),
+        "waiting": _num(o.waiting),
         "ttft": v(o.ttft_verdict),
         "tpot": v(o.tpot_verdict),
         "stale": o.stale,

@@ -42,6 +42,8 @@ def obs(
     rejected: int = 0,
     window: float = 60.0,
     stale: bool = False,
+    running: float = math.nan,
+    waiting: float = math.nan,
 ) -> Observation:
     """A window ending at ``end`` whose p99s are the given shares of their SLOs."""
 
@@ -57,6 +59,8 @@ def obs(
         ttft_verdict=_v(vt or verdict(ttft), ttft, SLO.ttft_p99_s, n),
         tpot_verdict=_v(vp or verdict(tpot), tpot, SLO.tpot_p99_s, n),
         stale=stale,
+        running=running,
+        waiting=waiting,
     )
 
 
@@ -143,6 +147,26 @@ def test_a_small_overshoot_tightens_by_the_decrease_a_large_one_deeper() -> None
     flat = replace(POLICY, curve=((8, 0.09), (16, 0.1), (32, 0.12)))
     d = decide(Signals(observation=obs(100, tpot=1.3)), State(knobs=K16), flat)
     assert d.knobs.max_batch_size == 12  # a flat curve: no batch >= 12 gets under 90%
+
+
+def test_a_batch_running_short_of_its_limit_is_cut_from_what_ran() -> None:
+    k32 = Knobs(max_batch_size=32, max_concurrency=32)
+    # the limit alone: x0.9 of 32 (the overshoot is small)
+    assert tick(obs(100, tpot=1.02), State(knobs=k32)).knobs.max_batch_size == 28
+    # 20 ran on average: a cut of the limit to 28 would change nothing; from 20 it bites
+    d = tick(obs(100, tpot=1.02, running=19.4), State(knobs=k32))
+    assert d.knobs.max_batch_size == 17, d.reason  # 20 x 0.9 / 1.02
+    # a full batch, or no gauge: the limit is what ran
+    assert tick(obs(100, tpot=1.02, running=32.0), State(knobs=k32)).knobs.max_batch_size == 28
+    assert tick(obs(100, tpot=1.3, running=30.5), State(knobs=k32)).knobs.max_batch_size == 24
+
+
+def test_waiting_requests_are_demand_queueing_at_the_limit() -> None:
+    calm = replace(POLICY, stabilization_s=0.0)
+    quiet = decide(Signals(observation=obs(100, tpot=0.5)), State(knobs=K16), calm)
+    assert quiet.action is Action.HOLD and "no demand queueing" in quiet.reason
+    queue = decide(Signals(observation=obs(100, tpot=0.5, waiting=3.5)), State(knobs=K16), calm)
+    assert queue.action is Action.LOOSEN, queue.reason
 
 
 def test_near_the_slo_twice_in_a_row_tightens_and_a_window_between_resets_it() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from metrics import names
 from metrics.observation import DEFAULT_SLO, Slo
@@ -34,6 +34,8 @@ class Emitter:
         self.rejected = Counter(
             prefix + names.REJECTED_TOTAL, "rejected", [*ln, names.LABEL_REASON], registry=reg
         )
+        self.running = Gauge(prefix + names.RUNNING_REQUESTS, "running", ln, registry=reg)
+        self.waiting = Gauge(prefix + names.WAITING_REQUESTS, "waiting", ln, registry=reg)
 
     def touch(self, **labels: str) -> None:
         """Create every series at zero (so a scrape before any request sees them)."""
@@ -51,6 +53,11 @@ class Emitter:
         self.requests.labels(**labels, slo_met="true" if met else "false").inc()
         self.tokens.labels(**labels).inc(tokens)
         return met
+
+    def batch(self, running: float, waiting: float, **labels: str) -> None:
+        """The decode batch and the queue now (the replica's gauges)."""
+        self.running.labels(**labels).set(running)
+        self.waiting.labels(**labels).set(waiting)
 
     def reject(self, reason: str = "queue_full", **labels: str) -> None:
         self.rejected.labels(**labels, reason=reason).inc()

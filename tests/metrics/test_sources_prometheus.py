@@ -31,6 +31,8 @@ def scenario(prometheus_server: PrometheusServer) -> Iterator[dict[str, object]]
     em = Emitter(slo=SLO, prefix="ray_")
     for lab in (R1, R2, OTHER):
         em.touch(**lab)
+    for lab, running, waiting in ((R1, 6, 1), (R2, 10, 3), (OTHER, 50, 40)):
+        em.batch(running, waiting, **lab)  # constant: a window's mean is the value
     server, thread = start_http_server(0, addr="127.0.0.1", registry=em.registry)
     address = f"127.0.0.1:{server.server_port}"
     try:
@@ -79,6 +81,9 @@ def test_scrape_and_promql_agree(scenario: dict[str, object]) -> None:
     for field in ("completed", "slo_met", "rejected", "generated_tokens"):
         assert getattr(promql, field) == getattr(scrape, field), field
     assert scrape.completed == 1500 and scrape.rejected == 9 and scrape.generated_tokens == 10500
+    # the batch per replica (6 and 10: 8) and the queue of both (1 + 3), not Other's
+    for o in (scrape, promql):
+        assert (o.running, o.waiting) == (8.0, 4.0), o.source
     for a, b in ((scrape.ttft, promql.ttft), (scrape.tpot, promql.tpot)):
         for q in ("p50", "p90", "p99"):
             assert math.isclose(getattr(a, q), getattr(b, q), rel_tol=1e-9), q
