@@ -55,6 +55,7 @@ def observation_from_histograms(
     tpot_estimate_s: float | None = None,
     running: float = math.nan,
     waiting: float = math.nan,
+    replica_tpot_buckets: Mapping[str, Mapping[float, float]] | None = None,
 ) -> Observation:
     """An Observation from a window's counter increases and cumulative bucket increases.
 
@@ -98,7 +99,19 @@ def observation_from_histograms(
         slo_met_known=met is not None,
         running=running,
         waiting=waiting,
+        replica_tpot=replica_quantiles(q, replica_tpot_buckets or {}),
     )
+
+
+def replica_quantiles(
+    q: float, buckets: Mapping[str, Mapping[float, float]]
+) -> tuple[tuple[str, float, int], ...]:
+    """(replica, the q-quantile, requests) of each replica's cumulative bucket increases."""
+    out = []
+    for replica, b in sorted(buckets.items()):
+        n = max(b.values(), default=0.0)  # the +Inf bucket: every request
+        out.append((replica, histogram_quantile(q, b), round(n)))
+    return tuple(out)
 
 
 def _bracket_note(what: str, v: SloVerdict) -> str:

@@ -86,6 +86,11 @@ class ControllerExporter:
             "1 while slotune control is latched degraded after a rollback (until --ack).",
             registry=reg,
         )
+        self.outliers = Gauge(
+            names.CONTROLLER_OUTLIERS,
+            "Replicas whose p99 TPOT was far above the others' in the last window.",
+            registry=reg,
+        )
         self.best_goodput.set(math.nan)
         self.goodput.set(math.nan)
         for slo in ("ttft", "tpot"):
@@ -111,6 +116,9 @@ class ControllerExporter:
 
     def decision(self, action: str, outcome: str) -> None:
         self.decisions.labels(action=action, outcome=outcome).inc()
+
+    def set_outliers(self, n: int) -> None:
+        self.outliers.set(n)
 
     def set_degraded(self, degraded: bool) -> None:
         self.degraded.set(1.0 if degraded else 0.0)

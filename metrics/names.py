@@ -55,6 +55,7 @@ CONTROLLER_STALE = "slotune_controller_metrics_stale"  # gauge 0/1
 # slotune control: decisions by action and outcome, and the rollback latch
 CONTROLLER_DECISIONS_TOTAL = "slotune_controller_decisions_total"  # labels action, outcome
 CONTROLLER_DEGRADED = "slotune_controller_degraded"  # gauge 0/1
+CONTROLLER_OUTLIERS = "slotune_controller_outlier_replicas"  # gauge, last window
 
 # Labels.
 LABEL_SLO_MET = "slo_met"  # "true" | "false"

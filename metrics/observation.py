@@ -110,6 +110,9 @@ class Observation:
     # neither gauge). The batch runs below its limit when demand is short of it.
     running: float = math.nan
     waiting: float = math.nan
+    # (replica, its p99 TPOT estimate in seconds, its requests) of every replica, where the
+    # source can tell replicas apart (one slow replica is seen, not averaged away)
+    replica_tpot: tuple[tuple[str, float, int], ...] = ()
 
     @property
     def window_s(self) -> float:

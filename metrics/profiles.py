@@ -47,11 +47,12 @@ class MetricsProfile:
     not_completed: tuple[str, ...] = ()
     generated_tokens: tuple[str, ...] = ()
     rejected: tuple[str, ...] = ()
-    # Gauges (for dashboards and detection; an Observation does not carry them).
+    # Gauges: an Observation carries the mean of the first two over its window.
     running: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
     kv_usage: tuple[str, ...] = ()  # a fraction 0..1
     labels: tuple[str, ...] = ()  # label names the server puts on its series
+    replica_label: str = ""  # of those, the one that tells replicas apart ('' : none does)
     buckets: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
     source: str = ""  # where the names come from (repository and file)
 
@@ -109,6 +110,7 @@ SLOTUNE = MetricsProfile(
     waiting=(names.WAITING_REQUESTS,),
     kv_usage=(names.KV_CACHE_USAGE_RATIO,),
     labels=("application", "deployment", "replica"),
+    replica_label="replica",
     buckets=MappingProxyType(
         {names.TTFT_SECONDS: names.TTFT_BUCKETS, names.TPOT_SECONDS: names.TPOT_BUCKETS}
     ),

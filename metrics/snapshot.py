@@ -103,12 +103,21 @@ def bucket_window(
     so a reset in one is handled as PromQL does; bounds written two ways (``1`` and ``1.0``)
     are summed into one bound, as PromQL's ``histogram_quantile`` merges them.
     """
+    got = bucket_windows_by(start, end, bucket_name, selector, by="")
+    return None if got is None else got.get("", {})
+
+
+def bucket_windows_by(
+    start: Snapshot, end: Snapshot, bucket_name: str, selector: Mapping[str, str], *, by: str
+) -> dict[str, dict[float, float]] | None:
+    """:func:`bucket_window` per value of the label ``by`` (``""``: one group of all)."""
     if not end.has(bucket_name):
         return None
     before = start.series(bucket_name, selector)
-    out: dict[float, float] = {}
+    out: dict[str, dict[float, float]] = {}
     for lab, v in end.series(bucket_name, selector).items():
-        le = dict(lab).get("le")
+        labels = dict(lab)
+        le = labels.get("le")
         try:
             bound = float(le) if le is not None else math.nan
         except ValueError:
@@ -116,5 +125,6 @@ def bucket_window(
         if math.isnan(bound):
             logger.warning("%s: ignoring a bucket series with le=%r", bucket_name, le)
             continue
-        out[bound] = out.get(bound, 0.0) + counter_increase(before.get(lab, 0.0), v)
+        group = out.setdefault(labels.get(by, "") if by else "", {})
+        group[bound] = group.get(bound, 0.0) + counter_increase(before.get(lab, 0.0), v)
     return out

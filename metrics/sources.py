@@ -23,7 +23,14 @@ from metrics.build import observation_from_histograms
 from metrics.errors import MalformedExposition, MetricsUnavailable, QueryRejected
 from metrics.observation import Observation, Slo
 from metrics.profiles import SLOTUNE, MetricsProfile
-from metrics.snapshot import Labels, Snapshot, bucket_window, counter_window, parse_exposition
+from metrics.snapshot import (
+    Labels,
+    Snapshot,
+    bucket_window,
+    bucket_windows_by,
+    counter_window,
+    parse_exposition,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +189,10 @@ class ScrapeSource:
             gauge_mean(start, end, [names.read_as(f, prefix=p) for f in fams], sel, across)
             for fams, across in ((prof.running, "avg"), (prof.waiting, "sum"))
         )
+        per_replica = None
+        if prof.replica_label and tpot_family is not None:
+            bucket = names.histogram_samples(tpot_family, prefix=p)[0]
+            per_replica = bucket_windows_by(start, end, bucket, sel, by=prof.replica_label)
         return observation_from_histograms(
             slo=self.slo,
             start_s=start.time_s,
@@ -199,6 +210,7 @@ class ScrapeSource:
             note="; ".join(x for x in [*notes, prof.tpot_remark(tpot_family)] if x),
             running=running,
             waiting=waiting,
+            replica_tpot_buckets=per_replica,
         )
 
     def _histogram(
@@ -371,6 +383,14 @@ class PromQLSource:
                 rate = f"sum by (le) (rate({self._bucket_sel(family[key])}{w}))"
                 res = self.query(f"histogram_quantile({self.slo.quantile!r}, {rate})", at=end)
                 est[key] = res[0][1] if res else math.nan
+        per_replica: dict[str, dict[float, float]] = {}
+        if prof.replica_label and family["tpot"] is not None:
+            rl = prof.replica_label
+            sel = self._bucket_sel(family["tpot"])
+            for lab, v in self.query(f"sum by ({rl}, le) (increase({sel}{w}))", at=end):
+                if "le" in lab:
+                    group = per_replica.setdefault(lab.get(rl, ""), {})
+                    group[float(lab["le"])] = group.get(float(lab["le"]), 0.0) + v
         met, missed = _split_completed(by_label, prof, notes)
         counts = {
             "rejected": _count("rejected", rejected, notes),
@@ -399,6 +419,7 @@ class PromQLSource:
             tpot_estimate_s=est["tpot"],
             running=running,
             waiting=waiting,
+            replica_tpot_buckets=per_replica,
         )
 
     def _increase(self, families: tuple[str, ...], w: str, end: float) -> float:

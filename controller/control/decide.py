@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -232,6 +233,7 @@ class Decision:
     reason: str
     state: State
     predicted_tpot_s: float = math.nan  # for a loosening: the curve's p99 TPOT at the new batch
+    outliers: tuple[str, ...] = ()  # replicas much slower than the rest (reported, see below)
 
     @property
     def changes(self) -> bool:
@@ -274,7 +276,45 @@ def _share_of_slo(o: Observation, slo: Slo) -> tuple[float, float]:
 
 
 def decide(signals: Signals, state: State, policy: Policy) -> Decision:
-    """The tick's outcome and action (see the module doc)."""
+    """The tick's outcome and action (see the module doc), with any outlier replica named
+    in its reason: the decision itself is the fleet's, on the p99 across replicas."""
+    d = _decide(signals, state, policy)
+    slow = outliers(signals.observation, policy)
+    if not slow:
+        return d
+    note = "; outlier: " + ", ".join(what for _, what in slow)
+    return replace(d, reason=d.reason + note, outliers=tuple(r for r, _ in slow))
+
+
+# A replica is an outlier when its p99 TPOT is this many times the median of the others',
+# over tighten_at of the SLO, on at least min_requests of its own requests.
+OUTLIER_RATIO = 1.5
+
+
+def outliers(o: Observation, policy: Policy) -> list[tuple[str, str]]:
+    """(replica, what to say) of each replica much slower than the others in the window."""
+    known = [(r, p99, n) for r, p99, n in o.replica_tpot if math.isfinite(p99)]
+    if len(known) < 2:
+        return []
+    out = []
+    for r, p99, n in known:
+        mid = statistics.median(x for rr, x, _ in known if rr != r)
+        if (
+            n >= policy.min_requests
+            and p99 >= policy.tighten_at * policy.slo.tpot_p99_s
+            and p99 >= OUTLIER_RATIO * mid
+        ):
+            out.append(
+                (
+                    r,
+                    f"replica {r} p99 TPOT {p99 * 1e3:.0f} ms, {p99 / mid:.1f}x the others' "
+                    f"{mid * 1e3:.0f} ms (a slow node or device? it is not averaged away)",
+                )
+            )
+    return out
+
+
+def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     o = signals.observation
     now = o.end_s
     st = replace(state, ticks=state.ticks + 1)

@@ -252,5 +252,6 @@ def _export(exporter: ControllerExporter | None, d: Decision, obs: Observation, 
     exporter.observe(obs)
     exporter.decision(d.action.value, d.outcome.value)
     exporter.set_degraded(bool(s.degraded))
+    exporter.set_outliers(len(d.outliers))
     if d.action is Action.ROLLBACK:
         exporter.rollback()

@@ -160,6 +160,9 @@ def _summary(o: Observation) -> dict[str, Any]:
         "rejected": o.rejected,
         "running": _num(o.running),
         "waiting": _num(o.waiting),
+        "replica_tpot": [
+            {"replica": r, "p99_s": _num(p99), "requests": n} for r, p99, n in o.replica_tpot
+        ],
         "ttft": v(o.ttft_verdict),
         "tpot": v(o.tpot_verdict),
         "stale": o.stale,
@@ -197,6 +200,7 @@ class AuditLog:
             "predicted_tpot_s": _num(decision.predicted_tpot_s),
             "observation": None if observation is None else _summary(observation),
             "degraded": decision.state.degraded,
+            "outliers": list(decision.outliers),
         }
         if error:
             row["error"] = error

@@ -169,6 +169,23 @@ def test_waiting_requests_are_demand_queueing_at_the_limit() -> None:
     assert queue.action is Action.LOOSEN, queue.reason
 
 
+def test_one_slow_replica_is_named_not_averaged_away() -> None:
+    fleet = (("r1", 0.050, 400), ("r2", 0.052, 400), ("r3", 0.160, 400))
+    o = replace(obs(100, tpot=0.6), replica_tpot=fleet)
+    d = tick(o)
+    assert d.outliers == ("r3",) and d.action is Action.HOLD
+    assert "replica r3 p99 TPOT 160 ms, 3.1x the others' 51 ms" in d.reason
+    # the decision is still the fleet's: one slow replica is reported, nothing tightened
+    assert d.knobs == K16
+    # not an outlier: under tighten_at of the SLO, too few requests, or close to the rest
+    for quiet in (
+        (("r1", 0.030, 400), ("r2", 0.090, 400)),  # 3x, but within 95% of the SLO
+        (("r1", 0.050, 400), ("r2", 0.160, 40)),  # 40 requests: no p99 to speak of
+        (("r1", 0.090, 400), ("r2", 0.120, 400)),  # 1.33x
+    ):
+        assert tick(replace(o, replica_tpot=quiet)).outliers == (), quiet
+
+
 def test_near_the_slo_twice_in_a_row_tightens_and_a_window_between_resets_it() -> None:
     d1 = tick(obs(100, tpot=0.97))
     d2 = tick(obs(200, tpot=0.96), d1.state)

@@ -84,6 +84,10 @@ def test_scrape_and_promql_agree(scenario: dict[str, object]) -> None:
     # the batch per replica (6 and 10: 8) and the queue of both (1 + 3), not Other's
     for o in (scrape, promql):
         assert (o.running, o.waiting) == (8.0, 4.0), o.source
+    # each replica's own p99 TPOT and count, the same from both (r1 has two in three)
+    assert [(r, n) for r, _, n in scrape.replica_tpot] == [("r1", 1000), ("r2", 500)]
+    for (r, a, _), (r2, b, _) in zip(scrape.replica_tpot, promql.replica_tpot, strict=True):
+        assert r == r2 and math.isclose(a, b, rel_tol=1e-9), (r, a, b)
     for a, b in ((scrape.ttft, promql.ttft), (scrape.tpot, promql.tpot)):
         for q in ("p50", "p90", "p99"):
             assert math.isclose(getattr(a, q), getattr(b, q), rel_tol=1e-9), q
