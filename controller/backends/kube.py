@@ -67,7 +67,7 @@ def kube_error(e: BaseException, what: str) -> RuntimeError:
         if status in (401, 403):
             return ActuatorError(
                 f"{what}: {status} {reason} (the ServiceAccount needs the RBAC of "
-                "deploy/k8s/control.yaml)"
+                "deploy/k8s/control-rbac.yaml)"
             )
         if status == 429 or status >= 500:
             return ActuatorUnavailable(f"{what}: {status} {reason}")
