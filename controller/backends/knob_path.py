@@ -43,7 +43,8 @@ APP_FIELDS = frozenset(
 # Application fields hashed into its code version (deploy_utils.get_app_code_version).
 APP_RESTART = frozenset({"args", "runtime_env", "import_path", "autoscaling_policy"})
 # Deployment options applied to running replicas (config.py update types other than
-# HeavyWeight). autoscaling_config is live but for its ``policy`` (code version).
+# HeavyWeight). autoscaling_config is live but for its ``policy`` and its presence in the
+# entry (code version: :func:`classify`).
 DEPLOYMENT_LIVE = frozenset(
     {
         "num_replicas",
@@ -193,8 +194,11 @@ def classify(scope: str, parts: tuple[Part, ...]) -> str:
         return "restart" if head in APP_RESTART else "unknown"
     if head in DEPLOYMENT_RESTART:
         return "restart"
-    if head == "autoscaling_config" and len(parts) > 1 and parts[1] == "policy":
-        return "restart"  # hashed into the code version (get_app_code_version)
+    if head == "autoscaling_config" and (len(parts) == 1 or parts[1] == "policy"):
+        # get_app_code_version hashes each entry's autoscaling_config ``policy``, None for
+        # an entry without the mapping: a policy changed, or the mapping added or
+        # dropped, is a new code version. Its other keys are live.
+        return "restart"
     return "live" if head in DEPLOYMENT_LIVE else "unknown"
 
 

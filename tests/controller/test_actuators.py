@@ -20,7 +20,15 @@ from controller.backends.knob_path import (
     set_path,
 )
 from controller.backends.none import NoActuator
-from controller.backends.serve import ServeActuator, pick_deployment, with_knobs
+from controller.backends.serve import (
+    Scaling,
+    ServeActuator,
+    limit_per_target,
+    pick_deployment,
+    predicted_replicas,
+    target_for,
+    with_knobs,
+)
 from controller.backends.serve_llm import ServeLLMActuator, llm_deployment_name, llm_index
 from controller.backends.serve_rest import fleet_of, settled
 from controller.targets import fleet_fault
@@ -65,6 +73,7 @@ def test_get_and_set_path() -> None:
         ("deployment", ("max_queued_requests",), "live"),
         ("deployment", ("autoscaling_config", "max_replicas"), "live"),
         ("deployment", ("autoscaling_config", "policy"), "restart"),
+        ("deployment", ("autoscaling_config",), "restart"),  # added or dropped: code version
         ("deployment", ("ray_actor_options", "num_cpus"), "restart"),
         ("deployment", ("placement_group_bundles",), "restart"),
         ("deployment", ("max_replicas_per_node",), "restart"),
@@ -331,3 +340,166 @@ def test_none_actuator_changes_nothing() -> None:
     assert a.apply(Knobs(max_batch_size=2, max_concurrency=4)).changed is False
     assert a.effects() == KnobEffects()
     assert "recommendations, not applied" in a.describe()["note"]
+
+
+# -- Serve's autoscaler ------------------------------------------------------------------
+
+
+def _autoscaled_app(**auto: Any) -> dict[str, Any]:
+    app = _slotune_app()
+    dep = app["deployments"][0]
+    del dep["num_replicas"]  # Serve refuses an int num_replicas next to autoscaling_config
+    dep["max_ongoing_requests"] = 32
+    dep["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 4, **auto}
+    return app
+
+
+def _autoscaled_details(app_cfg: dict[str, Any], target: float = 24.0) -> dict[str, Any]:
+    # Serve's details show the whole AutoscalingConfig (ray/serve/schema.py
+    # _deployment_info_to_schema), the policy included.
+    auto = {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": target,
+        "upscale_delay_s": 30.0,
+        "policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"},
+    }
+    return _details(
+        app_cfg,
+        "CompletionServer",
+        max_ongoing_requests=32,
+        user_config={"max_batch_size": 2, "ttft_p99_s": 1.0},
+        autoscaling_config=auto,
+    )
+
+
+def test_the_target_keeps_the_operators_limit_per_target() -> None:
+    ratio = limit_per_target(32, 24)
+    assert ratio == pytest.approx(4 / 3)
+    assert [target_for(c, ratio=ratio) for c in (32, 40, 16, 8, 33)] == [24, 30, 12, 6, 24.75]
+    rest = FakeRest(_autoscaled_details(_autoscaled_app(target_ongoing_requests=24)))
+    a = ServeActuator(app="mine", rest=rest)  # type: ignore[arg-type]
+    assert a.apply(Knobs(max_batch_size=2, max_concurrency=32)).changed is False  # 32/24 kept
+    cost = a.apply(Knobs(max_batch_size=4, max_concurrency=40))
+    assert cost.changed and not cost.restarted
+    (apps,) = rest.puts
+    (entry,) = apps[0]["deployments"]
+    assert entry["max_ongoing_requests"] == 40
+    assert entry["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 30.0,
+    }
+    assert restarting_changes(_autoscaled_app(target_ongoing_requests=24), apps[0]) == []
+    # Down and back up: the ratio is the operator's, not one worn by rounding.
+    for limit, target in ((7, 5.25), (9, 6.75), (32, 24.0)):
+        a.apply(Knobs(max_batch_size=4, max_concurrency=limit))
+        auto = rest.puts[-1][0]["deployments"][0]["autoscaling_config"]
+        assert auto["target_ongoing_requests"] == target
+    assert a.scaling() == Scaling(
+        target_ongoing_requests=24.0, min_replicas=1, max_replicas=4, current_replicas=2
+    )
+    described = a.describe()["autoscaling"]
+    assert described["target_ongoing_requests"] == 24.0 and described["follows_admission"]
+
+
+def test_the_target_stays_under_the_limit_by_ray_s_20_percent() -> None:
+    # An operator's 10/10 (no headroom): the target is written at 10/1.2.
+    rest = FakeRest(_autoscaled_details(_autoscaled_app(target_ongoing_requests=10), target=10))
+    rest.state["applications"]["mine"]["deployments"]["CompletionServer"]["deployment_config"][
+        "max_ongoing_requests"
+    ] = 10
+    a = ServeActuator(app="mine", rest=rest)  # type: ignore[arg-type]
+    a.apply(Knobs(max_batch_size=2, max_concurrency=10))
+    auto = rest.puts[-1][0]["deployments"][0]["autoscaling_config"]
+    assert auto["target_ongoing_requests"] == 8.333
+    # Never over limit / 1.2, whatever the ratio and limit; at least 1 (which wins at 1).
+    for ratio in (1.2, 1.25, 4 / 3, 1.5, 2.0, 7.3):
+        for limit in range(1, 300):
+            t = target_for(limit, ratio=ratio)
+            assert t >= 1.0 and (t <= limit / 1.2 or (limit == 1 and t == 1.0)), (ratio, limit)
+    assert target_for(1, ratio=1.2) == 1.0
+    assert limit_per_target(11, 10) == 1.2
+    with pytest.raises(ValueError, match="ratio=1.1"):
+        target_for(8, ratio=1.1)
+
+
+def test_without_autoscaling_nothing_else_is_written() -> None:
+    rest = FakeRest(_details(_slotune_app(), "CompletionServer", user_config={"max_batch_size": 2}))
+    a = ServeActuator(app="mine", rest=rest)  # type: ignore[arg-type]
+    a.apply(Knobs(max_batch_size=4, max_concurrency=40))
+    (entry,) = rest.puts[0][0]["deployments"]
+    assert "autoscaling_config" not in entry and entry["num_replicas"] == 2
+    assert a.scaling() is None and "autoscaling" not in a.describe()
+
+
+def test_autoscaling_from_the_code_keeps_its_target_and_says_so(caplog) -> None:
+    """An entry without an autoscaling_config mapping: adding one is a new code version
+    (a restart), so the limit moves alone."""
+    app = _slotune_app()
+    del app["deployments"][0]["num_replicas"]
+    rest = FakeRest(_autoscaled_details(app))
+    a = ServeActuator(app="mine", rest=rest)  # type: ignore[arg-type]
+    a.apply(Knobs(max_batch_size=4, max_concurrency=20))
+    (entry,) = rest.puts[0][0]["deployments"]
+    assert entry["max_ongoing_requests"] == 20 and "autoscaling_config" not in entry
+    assert "declares no autoscaling_config" in caplog.text
+    assert a.scaling().follows_admission is False  # type: ignore[union-attr]
+    with pytest.raises(ActuatorError, match="declares no autoscaling_config"):
+        with_knobs(
+            app,
+            deployment="CompletionServer",
+            batch_path=KnobPath.parse("user_config.max_batch_size"),
+            batch=2,
+            max_ongoing_requests=20,
+            target_ongoing_requests=15.0,
+        )
+    added = copy.deepcopy(app)
+    added["deployments"][0]["autoscaling_config"] = {"target_ongoing_requests": 15.0}
+    assert restarting_changes(app, added) == [
+        ("deployments[CompletionServer].autoscaling_config", "restart")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("total", "target", "lo", "hi", "current", "want"),
+    [
+        (48, 24, 1, 10, 2, 2),  # at the target: stays
+        (49, 24, 1, 10, 2, 3),  # a request over: one more
+        (47, 24, 1, 10, 5, 2),  # downscale to ceil(total / target)
+        (0.5, 2, 1, 10, 3, 1),  # a fraction of a replica's worth is one replica
+        (0, 2, 1, 10, 5, 1),  # no traffic: min_replicas
+        (0, 2, 0, 10, 5, 0),  # ... which may be zero
+        (1000, 2, 1, 10, 3, 10),  # capped at max_replicas
+        (10, 2, 4, 4, 4, 4),  # min == max: fixed
+        (5, 2, 1, 10, 0, 3),  # from zero replicas (cold start), same fixed point
+        (0, 2, 0, 10, 0, 0),
+        (6, 0.5, 1, 100, 1, 12),  # fractional targets
+        (30, 24.75, 1, 10, 1, 2),
+    ],
+)
+def test_predicted_replicas(total, target, lo, hi, current, want) -> None:
+    got = predicted_replicas(
+        ongoing_total=total, target=target, min_replicas=lo, max_replicas=hi, current=current
+    )
+    assert got == want
+    s = Scaling(
+        target_ongoing_requests=target, min_replicas=lo, max_replicas=hi, current_replicas=current
+    )
+    assert s.predict(total) == want
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"ongoing_total": -1.0}, "ongoing_total"),
+        ({"ongoing_total": float("nan")}, "ongoing_total"),
+        ({"target": 0.0}, "target_ongoing_requests"),
+        ({"min_replicas": 5, "max_replicas": 4}, "min_replicas=5"),
+        ({"current": -1}, "current replicas"),
+    ],
+)
+def test_predicted_replicas_names_a_bad_value(kw: dict[str, Any], match: str) -> None:
+    args = {"ongoing_total": 4.0, "target": 2.0, "min_replicas": 1, "max_replicas": 4, "current": 1}
+    with pytest.raises(ValueError, match=match):
+        predicted_replicas(**{**args, **kw})
