@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from controller.backends.serve_autoscaling import Scaling
     from search.space import Knobs
 
 # The replicas serving a deployment, as (replica id, pid, config version) each: the same
@@ -85,6 +86,10 @@ class Actuator(Protocol):
 
     def fleet(self) -> Fleet:
         """The running replicas now (empty when the actuator cannot see them)."""
+        ...
+
+    def scaling(self) -> Scaling | None:
+        """The deployment's autoscaler now, when one moves its replica count (else None)."""
         ...
 
     def effects(self) -> KnobEffects:

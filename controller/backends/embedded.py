@@ -82,6 +82,9 @@ class EmbeddedActuator:
             raise ActuatorUnavailable(f"could not list the replicas of {self.app!r}: {e}") from e
         return tuple(sorted((s.replica_id, s.pid, s.version) for s in states))
 
+    def scaling(self) -> None:
+        return None  # no autoscaler
+
     def effects(self) -> KnobEffects:
         return KnobEffects(live=frozenset({"max_batch_size", "max_concurrency"}))
 

@@ -29,6 +29,9 @@ class NoActuator:
     def fleet(self) -> Fleet:
         return ()
 
+    def scaling(self) -> None:
+        return None  # no autoscaler
+
     def effects(self) -> KnobEffects:
         return KnobEffects()
 

@@ -56,6 +56,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
+from controller.backends.serve_autoscaling import Scaling, predicted_replicas
 from metrics.observation import Observation, Slo, Verdict
 from search.space import Knobs
 
@@ -223,6 +224,7 @@ class Signals:
     observation: Observation
     live: Knobs | None = None  # the knobs the deployment runs now (None: not readable)
     fault: str = ""  # the window spans a rollout or replica restart, or could not be read
+    scaling: Scaling | None = None  # Serve's autoscaler, when it moves the replica count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,9 +430,11 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # keeps TPOT under loosen_below (live, longer answers left B=18 at p99 TTFT
             # 240% and TPOT ~55% where B=32 met both); else hold.
             p99 = o.tpot_verdict.estimate_s if o.tpot_verdict is not None else math.nan
+            shrinks = ""
             if tpot_share <= policy.loosen_below and math.isfinite(p99) and not st.degraded:
                 nb = _loosen_to(b, p99, policy)
-                if nb > b:
+                shrinks = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
+                if nb > b and not shrinks:
                     new = policy.knobs(nb)
                     predicted = policy.predict_tpot_s(b, p99, nb)
                     why = (
@@ -444,7 +448,8 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             return hold(
                 outcome,
                 f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
-                "queueing for the batch; holding (more replicas needed, not a smaller batch)",
+                "queueing for the batch; holding (more replicas needed, not a smaller batch)"
+                + (f"; {shrinks}" if shrinks else ""),
                 calm_since=None,
                 near=0,
             )
@@ -482,7 +487,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
 
     # met, under tighten_at on both: a known-good point
     st = replace(st, last_good=cur, near=0)
-    queued = o.rejected > 0 or (math.isfinite(o.waiting) and o.waiting > 0)
+    queued = _queued(o, cur.max_batch_size)
     calm = ttft_share <= policy.loosen_below and tpot_share <= policy.loosen_below
     if st.degraded:
         return hold(
@@ -521,11 +526,64 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         )
     predicted = policy.predict_tpot_s(b, p99, nb)
     new = policy.knobs(nb, max(cur.max_concurrency + (nb - b), round(nb * policy.headroom)))
+    shrinks = _shrinks_fleet(signals, cur, new)
+    if shrinks:
+        return hold(outcome, f"room to grow, but {shrinks}: holding {cur}")
     why = (
         f"met under {policy.loosen_below:.0%} of the SLO with demand queueing for "
         f"{waited:.0f} s; predicted p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
     )
     return change(outcome, Action.LOOSEN, new, why, predicted)
+
+
+def _shrinks_fleet(signals: Signals, cur: Knobs, new: Knobs) -> str:
+    """Why raising the admission limit from ``cur`` to ``new`` would fight Serve's
+    autoscaler (empty when it would not): its target moves with the limit, so a higher
+    limit is a higher scaling point, and where the requests in flight would then fit on
+    fewer replicas, it removes some and the rest absorb their load (Dynamo's planner
+    swung 2 <-> 1 that way). Predicted with Serve's default policy, from the window's
+    running and waiting requests."""
+    sc, o = signals.scaling, signals.observation
+    if sc is None or not (sc.follows_admission and sc.default_policy):
+        return ""
+    if not (math.isfinite(o.running) and sc.current_replicas > 0):
+        return ""
+    total = o.running * sc.current_replicas + (o.waiting if math.isfinite(o.waiting) else 0.0)
+    target = sc.target_ongoing_requests * new.max_concurrency / cur.max_concurrency
+
+    def settles(t: float) -> int:
+        return predicted_replicas(
+            ongoing_total=total,
+            target=t,
+            min_replicas=sc.min_replicas,
+            max_replicas=sc.max_replicas,
+            current=sc.current_replicas,
+        )
+
+    after = settles(target)
+    if after >= min(sc.current_replicas, settles(sc.target_ongoing_requests)):
+        return ""  # the loosening itself removes none
+    return (
+        f"at {new} Serve's autoscaler would settle at {after} of {sc.current_replicas} "
+        f"replicas for the {total:.0f} requests in flight (target {target:.1f} a replica)"
+    )
+
+
+# The share of its limit a batch must run at, on average, for waiting requests to be
+# waiting for the limit: with continuous batching every arrival waits for a step to join,
+# so some always wait (live under B=32: 4 clients, 0-0.5 waiting on average; 20 clients,
+# 1.3-3.2 waiting beside 15-17 running).
+FULL_BATCH = 0.9
+
+
+def _queued(o: Observation, limit: int) -> bool:
+    """Demand beyond the limit: requests refused, or waiting while the batch runs full
+    (waiting alone counts where the source has no running gauge)."""
+    if o.rejected > 0:
+        return True
+    if not (math.isfinite(o.waiting) and o.waiting > 0):
+        return False
+    return not math.isfinite(o.running) or o.running >= FULL_BATCH * limit
 
 
 def _running_batch(o: Observation, limit: int) -> int:

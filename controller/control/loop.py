@@ -179,7 +179,11 @@ def _ticks(
             state = acknowledge(state, live)
             marker.unlink(missing_ok=True)
             say(f"acknowledged: degraded latch cleared, running {state.knobs}")
-        d = decide(Signals(observation=obs, live=live, fault=fault), state, policy)
+        try:
+            scaling = actuator.scaling()
+        except Exception as e:  # read with the same details as the knobs: no data, hold
+            scaling, fault = None, fault or f"the autoscaler could not be read: {e}"
+        d = decide(Signals(observation=obs, live=live, fault=fault, scaling=scaling), state, policy)
         old = state.knobs
         state, applied, error = _act(d, state, actuator, live, config.dry_run)
         save_state(state, state_path)

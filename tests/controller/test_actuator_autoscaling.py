@@ -15,7 +15,8 @@ import itertools
 
 import pytest
 
-from controller.backends.serve import Scaling, ServeActuator, predicted_replicas
+from controller.backends.serve import ServeActuator
+from controller.backends.serve_autoscaling import Scaling, predicted_replicas
 from search.space import Knobs
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

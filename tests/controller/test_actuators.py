@@ -20,14 +20,12 @@ from controller.backends.knob_path import (
     set_path,
 )
 from controller.backends.none import NoActuator
-from controller.backends.serve import (
+from controller.backends.serve import ServeActuator, pick_deployment, with_knobs
+from controller.backends.serve_autoscaling import (
     Scaling,
-    ServeActuator,
     limit_per_target,
-    pick_deployment,
     predicted_replicas,
     target_for,
-    with_knobs,
 )
 from controller.backends.serve_llm import ServeLLMActuator, llm_deployment_name, llm_index
 from controller.backends.serve_rest import fleet_of, settled

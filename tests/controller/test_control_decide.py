@@ -167,6 +167,12 @@ def test_waiting_requests_are_demand_queueing_at_the_limit() -> None:
     assert quiet.action is Action.HOLD and "no demand queueing" in quiet.reason
     queue = decide(Signals(observation=obs(100, tpot=0.5, waiting=3.5)), State(knobs=K16), calm)
     assert queue.action is Action.LOOSEN, queue.reason
+    # waiting with the batch full is waiting for the limit; with it part empty, for a step
+    full = obs(100, tpot=0.5, waiting=3.5, running=15.2)
+    assert decide(Signals(observation=full), State(knobs=K16), calm).action is Action.LOOSEN
+    light = obs(100, tpot=0.5, waiting=0.4, running=4.1)
+    d = decide(Signals(observation=light), State(knobs=K16), calm)
+    assert d.action is Action.HOLD and "no demand queueing" in d.reason
 
 
 def test_one_slow_replica_is_named_not_averaged_away() -> None:
@@ -184,6 +190,30 @@ def test_one_slow_replica_is_named_not_averaged_away() -> None:
         (("r1", 0.090, 400), ("r2", 0.120, 400)),  # 1.33x
     ):
         assert tick(replace(o, replica_tpot=quiet)).outliers == (), quiet
+
+
+def test_a_loosening_that_would_let_the_autoscaler_drop_replicas_holds() -> None:
+    from controller.backends.serve_autoscaling import Scaling
+
+    calm = replace(POLICY, stabilization_s=0.0)
+    k = Knobs(max_batch_size=16, max_concurrency=36)
+    # two replicas at target 30 (limit 36: ratio 1.2), 30.6 in flight: 14.5 running on each
+    # (the batch full) and 1.6 waiting. The loosening to C=37 moves the target to 30.8,
+    # and one replica would then hold them all
+    two = Scaling(target_ongoing_requests=30.0, min_replicas=1, max_replicas=4, current_replicas=2)
+    o = obs(100, tpot=0.5, running=14.5, waiting=1.6)
+    d = decide(Signals(observation=o, scaling=two), State(knobs=k), calm)
+    assert d.action is Action.HOLD, d.reason
+    assert "autoscaler would settle at 1 of 2 replicas for the 31 requests" in d.reason
+    # without the autoscaler, or with one slotune does not steer, the same window loosens
+    assert decide(Signals(observation=o), State(knobs=k), calm).action is Action.LOOSEN
+    apart = replace(two, follows_admission=False)
+    loosens = decide(Signals(observation=o, scaling=apart), State(knobs=k), calm)
+    assert loosens.action is Action.LOOSEN
+    # more in flight: two replicas still needed at the higher target, so it loosens
+    busy = obs(100, tpot=0.5, running=15.5, waiting=6.0)
+    loosens = decide(Signals(observation=busy, scaling=two), State(knobs=k), calm)
+    assert loosens.action is Action.LOOSEN, loosens.reason
 
 
 def test_near_the_slo_twice_in_a_row_tightens_and_a_window_between_resets_it() -> None:

@@ -98,6 +98,9 @@ class FakeActuator:
             return self.fleets[min(self.reads - 1, len(self.fleets) - 1)]
         return (("r1", 1, "v1"),)
 
+    def scaling(self):
+        return None
+
     def effects(self):
         raise NotImplementedError
 
