@@ -55,6 +55,25 @@ def is_conflict(e: BaseException) -> bool:
     return isinstance(e, ApiException) and e.status == 409
 
 
+def read_object(
+    api: Any, group: str, version: str, namespace: str, plural: str, name: str, *, what: str
+) -> dict[str, Any] | None:
+    """GET one object through ``CustomObjectsApi`` (any group's resource path); None when
+    there is none (404), an error of :func:`kube_error` for any other failure."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return api.get_namespaced_custom_object(
+            group, version, namespace, plural, name, _request_timeout=REQUEST_TIMEOUT_S
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise kube_error(e, what) from None
+    except Exception as e:
+        raise kube_error(e, what) from None
+
+
 def kube_error(e: BaseException, what: str) -> RuntimeError:
     """The slotune error for a failed API call on ``what`` (e.g. ``RayService ns/name``)."""
     from kubernetes.client.exceptions import ApiException

@@ -38,6 +38,7 @@ from controller.backends.kube import (
     default_namespace,
     is_conflict,
     kube_error,
+    read_object,
 )
 from controller.backends.serve import ServeActuator, replace_app
 from controller.backends.serve_rest import deployment_details
@@ -122,17 +123,12 @@ class KubeRayActuator(ServeActuator):
     # -- the CR -------------------------------------------------------------------
 
     def _read(self) -> dict[str, Any]:
-        try:
-            return self.api.get_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                self.namespace,
-                PLURAL,
-                self.rayservice,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        except Exception as e:
-            raise kube_error(e, self.what) from None
+        cr = read_object(
+            self.api, GROUP, VERSION, self.namespace, PLURAL, self.rayservice, what=self.what
+        )
+        if cr is None:
+            raise ActuatorError(f"{self.what}: not found; was it deleted?")
+        return cr
 
     def _app_config(self, details: dict[str, Any]) -> dict[str, Any]:
         """The app as the RayService declares it (what KubeRay submits), not as Serve shows."""

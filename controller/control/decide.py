@@ -205,7 +205,8 @@ class State:
 
     knobs: Knobs  # what slotune last wrote (or found when it started)
     last_good: Knobs | None = None  # the latest knobs a window met the SLO comfortably on
-    degraded: str = ""  # why a rollback latched ("" when not)
+    degraded: str = ""  # why an SLO burn latched ("" when not)
+    rolled_back: bool = False  # the latch went back to known-good knobs (else none were smaller)
     calm_since: float | None = None  # since when every conclusive window allowed loosening
     last_change_s: float = -math.inf  # when slotune last changed the knobs
     last_end_s: float = -math.inf  # the end of the newest window decided
@@ -245,7 +246,9 @@ class Decision:
 def acknowledge(state: State, live: Knobs | None) -> State:
     """An operator's ``--ack``: clear the degraded latch and adopt the live knobs (after a
     drift pause); loosening waits a fresh stabilization window."""
-    return replace(state, degraded="", knobs=live or state.knobs, calm_since=None)
+    return replace(
+        state, degraded="", rolled_back=False, knobs=live or state.knobs, calm_since=None
+    )
 
 
 def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
@@ -391,13 +394,14 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                 good,
                 why,
                 degraded=why,
+                rolled_back=True,
                 calm_since=None,
                 rollbacks=st.rollbacks + 1,
                 near=0,
             )
         # no smaller known-good knobs to go back to: larger ones were good under another
         # load, and going back up is never the remedy; latch, then act as any window would
-        # (tighten on TPOT, hold on queueing)
+        # (tighten on TPOT, raise the batch for TTFT queueing where TPOT has room)
         st = replace(st, degraded=f"{burning}; no smaller known-good knobs than {cur}")
 
     # 3. tighten at once
@@ -431,7 +435,11 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # 240% and TPOT ~55% where B=32 met both); else hold.
             p99 = o.tpot_verdict.estimate_s if o.tpot_verdict is not None else math.nan
             shrinks = ""
-            if tpot_share <= policy.loosen_below and math.isfinite(p99) and not st.degraded:
+            # not after a rollback (that latch holds until --ack); a burn that found no
+            # smaller known-good knobs does not stop the remedy for queueing (live, that
+            # left B=18 at p99 TTFT 240-310% of its SLO where a fixed B=32 met both)
+            rolled_back = bool(st.degraded) and st.rolled_back
+            if tpot_share <= policy.loosen_below and math.isfinite(p99) and not rolled_back:
                 nb = _loosen_to(b, p99, policy)
                 shrinks = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
                 if nb > b and not shrinks:

@@ -24,7 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from controller.backends.kube import REQUEST_TIMEOUT_S, api_client, is_conflict, kube_error
+from controller.backends.kube import (
+    REQUEST_TIMEOUT_S,
+    api_client,
+    is_conflict,
+    kube_error,
+    read_object,
+)
 from controller.control.store import LeaseHeld
 
 log = logging.getLogger(__name__)
@@ -104,23 +110,9 @@ class KubeLease:
 
     def _read(self) -> dict[str, Any] | None:
         """The Lease, or None when there is none."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            return self.api.get_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                self.namespace,
-                PLURAL,
-                self.name,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise kube_error(e, self.what) from None
-        except Exception as e:
-            raise kube_error(e, self.what) from None
+        return read_object(
+            self.api, GROUP, VERSION, self.namespace, PLURAL, self.name, what=self.what
+        )
 
     def _body(self, now: float, *, acquire_s: float, transitions: int, rv: str | None) -> Any:
         """The Lease as a dict (the client's models would send MicroTime wrongly)."""

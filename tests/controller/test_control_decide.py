@@ -352,9 +352,15 @@ def test_burning_with_nothing_known_good_latches_and_acts_on_the_window() -> Non
     # TPOT violated and 30% missed, nothing met before: latched, and tightened as usual
     d = tick(obs(60, tpot=1.3, missed=150))
     assert d.action is Action.TIGHTEN and d.state.degraded and d.state.rollbacks == 0
-    # TTFT from queueing at the limit: latched, the batch held
+    # TTFT from queueing at the limit with TPOT at half its SLO: latched, and the batch
+    # raised all the same (the remedy for queueing; nothing smaller was known good)
     d = tick(obs(60, ttft=3.0, missed=150))
-    assert d.action is Action.HOLD and d.knobs == K16 and d.state.degraded
+    assert d.action is Action.LOOSEN and d.knobs.max_batch_size > 16, d.reason
+    assert d.state.degraded and not d.state.rolled_back
+    # ... but after a rollback the latch holds the batch until --ack
+    back = State(knobs=K16, degraded="SLO burn; back to B=16", rolled_back=True)
+    d = tick(obs(60, ttft=3.0, missed=150), back)
+    assert d.action is Action.HOLD and d.knobs == K16, d.reason
 
 
 def test_the_burn_window_forgets_old_misses() -> None:
