@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from controller.backends.actuator import ActuatorUnavailable
 from controller.backends.kube import (
     REQUEST_TIMEOUT_S,
     api_client,
@@ -95,6 +96,7 @@ class KubeLease:
         self.clock = clock
         self.what = f"Lease {namespace}/{name}"
         self._held = False
+        self._renewed_s = -math.inf
 
     # -- API calls ------------------------------------------------------------------
 
@@ -169,25 +171,38 @@ class KubeLease:
                 raise LeaseHeld(f"{self.what}: taken by another controller just now") from None
             raise
         self._held = True
+        self._renewed_s = now
 
-    def renew(self) -> None:
-        """Extend the Lease (LeaseLost when another holder has it now)."""
-        lease = self._read()
-        holder = None if lease is None else (lease.get("spec") or {}).get("holderIdentity")
-        if lease is None or holder != self.identity:
-            self._held = False
-            raise LeaseLost(
-                f"{self.what} is now held by {holder!r}, not {self.identity!r}: stopping"
-            )
+    def renew(self) -> str:
+        """Extend the Lease: "" when done; why not when the API server cannot be reached
+        now (the Lease is still ours until it expires, but this tick must not act on it);
+        LeaseLost when another holder has it, or when it went unrenewed for its duration."""
         try:
-            self._call(
-                "replace_namespaced_custom_object", self.name, self._rewrite(lease, mine=True)
-            )
+            lease = self._read()
+            holder = None if lease is None else (lease.get("spec") or {}).get("holderIdentity")
+            if lease is None or holder != self.identity:
+                self._held = False
+                raise LeaseLost(
+                    f"{self.what} is now held by {holder!r}, not {self.identity!r}: stopping"
+                )
+            body = self._rewrite(lease, mine=True)
+            self._call("replace_namespaced_custom_object", self.name, body)
+        except ActuatorUnavailable as e:
+            unrenewed = self.clock() - self._renewed_s
+            if unrenewed >= self.duration_s:
+                self._held = False
+                raise LeaseLost(
+                    f"{self.what} not renewed for {unrenewed:.0f} s, its whole duration "
+                    f"({e}): another controller may hold it now; stopping"
+                ) from None
+            return f"the Lease could not be renewed ({e}); not acting this tick"
         except Exception as e:
             if is_conflict(e):
                 self._held = False
                 raise LeaseLost(f"{self.what} changed under its holder: stopping") from None
             raise
+        self._renewed_s = self.clock()
+        return ""
 
     def release(self) -> None:
         """Give the Lease up (holder cleared) if still ours; errors are only logged."""

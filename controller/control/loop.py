@@ -49,11 +49,12 @@ log = logging.getLogger(__name__)
 
 class ClusterLease(Protocol):
     """A lease held in the platform (kube_lease.KubeLease): entered for the whole run and
-    renewed each tick; ``renew`` raises once another controller holds it."""
+    renewed each tick; ``renew`` returns why this tick must not act when it could not be
+    renewed now, and raises once another controller may hold it."""
 
     def __enter__(self) -> Any: ...
     def __exit__(self, *exc: object) -> None: ...
-    def renew(self) -> None: ...
+    def renew(self) -> str: ...
 
 
 class ControlFailed(RuntimeError):
@@ -159,13 +160,15 @@ def _ticks(
     ticks = 0
     while config.max_ticks is None or ticks < config.max_ticks:
         sleep(max(0.0, t0 + config.interval_s - clock()))
+        unleased = ""
         if cluster_lease is not None:
             try:
-                cluster_lease.renew()
-            except Exception as e:  # lost, or not renewable: never act without it
+                unleased = cluster_lease.renew()
+            except Exception as e:  # lost: never act without it
                 raise ControlFailed(f"the controller's lease: {e}") from None
         now = clock()
         obs, fault = _read(reader, token, t0, now)
+        fault = fault or unleased
         after = _safe_fleet(actuator)
         fault = fault or _fleet_fault(before, after)
         try:

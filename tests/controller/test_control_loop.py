@@ -122,6 +122,7 @@ class Clock:
 def run(tmp_path: Path, plan: list, act: FakeActuator, *, ticks: int, **kw) -> tuple[State, list]:
     clock = Clock()
     policy, exporter = kw.pop("policy", POLICY), kw.pop("exporter", None)
+    lease = kw.pop("cluster_lease", None)
     state = run_control(
         reader=Script(plan),
         actuator=act,
@@ -130,11 +131,53 @@ def run(tmp_path: Path, plan: list, act: FakeActuator, *, ticks: int, **kw) -> t
         audit_path=tmp_path / "audit.jsonl",
         config=LoopConfig(interval_s=60.0, max_ticks=ticks, **kw),
         exporter=exporter,
+        cluster_lease=lease,
         clock=clock,
         sleep=clock.sleep,
     )
     rows = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     return state, rows
+
+
+class ScriptedLease:
+    """A cluster lease whose n-th renewal answers ``plan[n]``: "" (renewed), a reason (the
+    API server away: this tick must not act) or an exception (lost)."""
+
+    def __init__(self, plan: list) -> None:
+        self.plan, self.n, self.entered = plan, 0, False
+
+    def __enter__(self):
+        self.entered = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.entered = False
+
+    def renew(self) -> str:
+        step = self.plan[min(self.n, len(self.plan) - 1)]
+        self.n += 1
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+
+def test_a_tick_whose_lease_was_not_renewed_acts_on_nothing(tmp_path) -> None:
+    act = FakeActuator(K16)
+    lease = ScriptedLease(["", "the Lease could not be renewed (503); not acting this tick", ""])
+    _, rows = run(tmp_path, [1.5, 1.5, 1.5], act, ticks=3, cluster_lease=lease)
+    assert [r["action"] for r in rows] == ["tighten", "hold", "tighten"]
+    assert rows[1]["outcome"] == "inconclusive" and "not acting this tick" in rows[1]["reason"]
+    assert len(act.applied) == 2 and not lease.entered  # released at the end
+
+
+def test_a_lost_lease_stops_the_controller(tmp_path) -> None:
+    from controller.control.kube_lease import LeaseLost
+
+    act = FakeActuator(K16)
+    lease = ScriptedLease(["", LeaseLost("Lease serving/x is now held by 'pod-b'")])
+    with pytest.raises(ControlFailed, match="held by 'pod-b'"):
+        run(tmp_path, [1.5, 1.5], act, ticks=2, cluster_lease=lease)
+    assert len(act.applied) == 1 and not lease.entered
 
 
 def test_prometheus_down_holds_never_loosens_and_recovers(tmp_path) -> None:

@@ -113,3 +113,21 @@ def test_an_unreachable_api_server_is_an_error_not_a_lease(kube) -> None:
     with pytest.raises(ActuatorUnavailable, match="Lease serving/slotune-control-slotune: 503"):
         _lease(kube, "pod-a", Clock()).acquire()
     assert kube.get("coordination.k8s.io/v1", "leases", NS, NAME) is None
+
+
+def test_an_api_server_away_holds_ticks_and_stops_once_the_lease_may_have_expired(kube) -> None:
+    clock = Clock()
+    a = _lease(kube, "pod-a", clock, duration_s=300)
+    a.acquire()
+    clock.t += 60
+    kube.fail_next(1, status=503)
+    assert "could not be renewed" in a.renew()  # still ours: this tick only holds
+    clock.t += 60
+    assert a.renew() == ""  # back: renewed, the clock restarts from now
+    clock.t += 250
+    kube.fail_next(1, status=503)
+    assert "not acting this tick" in a.renew()  # 250 s since the last renewal
+    clock.t += 60
+    kube.fail_next(1, status=503)
+    with pytest.raises(LeaseLost, match="not renewed for 310 s"):
+        a.renew()  # past the duration: another controller may hold it now
