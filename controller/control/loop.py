@@ -127,84 +127,71 @@ def run_control(
     throughout (:class:`~controller.control.store.LeaseHeld` if either is taken)."""
     with Lease(state_path), cluster_lease or contextlib.nullcontext():
         try:
-            return _ticks(
-                reader, actuator, policy, state_path, audit_path, config, exporter,
-                cluster_lease, clock, sleep, say,
-            )  # fmt: skip
+            state = initial_state(actuator, state_path)
+            audit = AuditLog(audit_path)
+            if exporter is not None:
+                exporter.set_knobs(state.knobs)
+                exporter.set_degraded(bool(state.degraded))
+            say(
+                f"slotune control: starting on {state.knobs}"
+                + (" (dry run)" if config.dry_run else "")
+            )
+            token: Any = _begin(reader)
+            t0 = clock()
+            before = _safe_fleet(actuator)
+            ticks = 0
+            while config.max_ticks is None or ticks < config.max_ticks:
+                sleep(max(0.0, t0 + config.interval_s - clock()))
+                unleased = ""
+                if cluster_lease is not None:
+                    try:
+                        unleased = cluster_lease.renew()
+                    except Exception as e:  # lost: never act without it
+                        raise ControlFailed(f"the controller's lease: {e}") from None
+                now = clock()
+                obs, fault = _read(reader, token, t0, now)
+                fault = fault or unleased
+                after = _safe_fleet(actuator)
+                fault = fault or _fleet_fault(before, after)
+                try:
+                    live: Knobs | None = actuator.current()
+                except ActuatorError as e:
+                    raise ControlFailed(f"the deployment cannot be read: {e}") from None
+                except Exception as e:
+                    live, fault = None, fault or f"the deployment's knobs could not be read: {e}"
+                marker = ack_path(state_path)
+                if marker.exists():  # `slotune control --ack` while this controller runs
+                    state = acknowledge(state, live)
+                    marker.unlink(missing_ok=True)
+                    say(f"acknowledged: degraded latch cleared, running {state.knobs}")
+                try:
+                    scaling = actuator.scaling()
+                except Exception as e:  # read with the same details as the knobs: no data, hold
+                    scaling, fault = None, fault or f"the autoscaler could not be read: {e}"
+                d = decide(
+                    Signals(observation=obs, live=live, fault=fault, scaling=scaling), state, policy
+                )
+                old = state.knobs
+                state, applied, error = _act(d, state, actuator, live, config.dry_run)
+                save_state(state, state_path)
+                row = audit.record(
+                    at_s=now,
+                    decision=d,
+                    before=old,
+                    observation=obs,
+                    applied=applied,
+                    dry_run=config.dry_run,
+                    error=error,
+                )
+                _export(exporter, d, obs, state)
+                say(f"{row['outcome']:12s} {row['action']:8s} {d.reason}")
+                ticks += 1
+                token, t0 = _begin(reader), clock()
+                before = after if not applied else _safe_fleet(actuator)
+            return state
+
         except ActuatorError as e:  # the replicas' read: the deployment is gone
             raise ControlFailed(f"the deployment: {e}") from None
-
-
-def _ticks(
-    reader: WindowReader,
-    actuator: Actuator,
-    policy: Policy,
-    state_path: Path,
-    audit_path: Path,
-    config: LoopConfig,
-    exporter: ControllerExporter | None,
-    cluster_lease: ClusterLease | None,
-    clock: Callable[[], float],
-    sleep: Callable[[float], None],
-    say: Callable[[str], None],
-) -> State:
-    state = initial_state(actuator, state_path)
-    audit = AuditLog(audit_path)
-    if exporter is not None:
-        exporter.set_knobs(state.knobs)
-        exporter.set_degraded(bool(state.degraded))
-    say(f"slotune control: starting on {state.knobs}" + (" (dry run)" if config.dry_run else ""))
-    token: Any = _begin(reader)
-    t0 = clock()
-    before = _safe_fleet(actuator)
-    ticks = 0
-    while config.max_ticks is None or ticks < config.max_ticks:
-        sleep(max(0.0, t0 + config.interval_s - clock()))
-        unleased = ""
-        if cluster_lease is not None:
-            try:
-                unleased = cluster_lease.renew()
-            except Exception as e:  # lost: never act without it
-                raise ControlFailed(f"the controller's lease: {e}") from None
-        now = clock()
-        obs, fault = _read(reader, token, t0, now)
-        fault = fault or unleased
-        after = _safe_fleet(actuator)
-        fault = fault or _fleet_fault(before, after)
-        try:
-            live: Knobs | None = actuator.current()
-        except ActuatorError as e:
-            raise ControlFailed(f"the deployment cannot be read: {e}") from None
-        except Exception as e:
-            live, fault = None, fault or f"the deployment's knobs could not be read: {e}"
-        marker = ack_path(state_path)
-        if marker.exists():  # `slotune control --ack` while this controller runs
-            state = acknowledge(state, live)
-            marker.unlink(missing_ok=True)
-            say(f"acknowledged: degraded latch cleared, running {state.knobs}")
-        try:
-            scaling = actuator.scaling()
-        except Exception as e:  # read with the same details as the knobs: no data, hold
-            scaling, fault = None, fault or f"the autoscaler could not be read: {e}"
-        d = decide(Signals(observation=obs, live=live, fault=fault, scaling=scaling), state, policy)
-        old = state.knobs
-        state, applied, error = _act(d, state, actuator, live, config.dry_run)
-        save_state(state, state_path)
-        row = audit.record(
-            at_s=now,
-            decision=d,
-            before=old,
-            observation=obs,
-            applied=applied,
-            dry_run=config.dry_run,
-            error=error,
-        )
-        _export(exporter, d, obs, state)
-        say(f"{row['outcome']:12s} {row['action']:8s} {d.reason}")
-        ticks += 1
-        token, t0 = _begin(reader), clock()
-        before = after if not applied else _safe_fleet(actuator)
-    return state
 
 
 def ack_path(state_path: Path) -> Path:
