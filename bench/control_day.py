@@ -37,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.control.decide import Action, Policy, Signals, State, decide
+from controller.control.decide import Action, Signals, State, decide
+from controller.control.policy import Policy
 from controller.sim.scenarios import resolve_scenario
 from controller.sim.target import SimTarget
 from metrics.observation import Observation

@@ -106,8 +106,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from controller.attach import ray_metrics_url, shutdown_local
-    from controller.control.decide import Policy
     from controller.control.loop import LoopConfig, run_control
+    from controller.control.policy import Policy
     from controller.targets import RequestShape
     from controller.tune_setup import make_reader, prepare_builtin
     from metrics.observation import DEFAULT_SLO

@@ -20,7 +20,7 @@ from controller.errors import BadInput
 from metrics.observation import DEFAULT_SLO, Slo
 
 if TYPE_CHECKING:
-    from controller.control.decide import Policy
+    from controller.control.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _policy(
     min_requests: int | None,
 ) -> Policy:
     """The control policy of the flags: bounded by ``--curve`` or ``--max-batch``."""
-    from controller.control.decide import Policy, policy_from_curve
+    from controller.control.policy import Policy, policy_from_curve
 
     try:
         given = dict(

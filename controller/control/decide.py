@@ -54,9 +54,9 @@ import enum
 import math
 import statistics
 from dataclasses import dataclass, replace
-from typing import Any
 
 from controller.backends.serve_autoscaling import Scaling, predicted_replicas
+from controller.control.policy import Policy
 from metrics.observation import Observation, Slo, Verdict
 from search.space import Knobs
 
@@ -73,107 +73,6 @@ class Action(str, enum.Enum):
     LOOSEN = "loosen"
     ROLLBACK = "rollback"
     PAUSE = "pause"
-
-
-def _share(name: str, v: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and lo < v < hi):
-        raise ValueError(f"{name}={v!r}: must be a number in ({lo:g}, {hi:g})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Policy:
-    """How the controller moves the limits (see the module doc for each rule)."""
-
-    slo: Slo
-    batch_max: int
-    batch_min: int = 1
-    headroom: float = 1.0  # admission limit / batch limit, kept when the batch moves
-    concurrency_max: int | None = None  # None: batch_max x headroom
-    tighten_at: float = 0.95
-    loosen_below: float = 0.9
-    near_windows: int = 2  # windows in a row met over tighten_at before tightening
-    decrease: float = 0.9
-    increase: int = 1  # at least this many a loosening tick ...
-    increase_share: float = 0.05  # ... or this share of the batch, whichever is more
-    max_step: float = 0.25
-    stabilization_s: float = 300.0
-    min_requests: int = 100
-    burn_window_s: float = 300.0
-    burn_rate: float = 14.4
-    # (batch, p99 TPOT seconds) of the canary's measured curve, or the roofline's prediction;
-    # empty: p99 TPOT taken to grow in proportion to the batch (the compute-bound worst case)
-    curve: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("batch_min", "batch_max", "increase", "min_requests", "near_windows"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
-        if self.batch_max < self.batch_min:
-            raise ValueError(f"batch_max={self.batch_max} < batch_min={self.batch_min}")
-        if not (math.isfinite(self.headroom) and self.headroom >= 1):
-            raise ValueError(f"headroom={self.headroom!r}: must be a number >= 1")
-        if self.concurrency_max is not None and self.concurrency_max < self.batch_max:
-            raise ValueError(
-                f"concurrency_max={self.concurrency_max} < batch_max={self.batch_max}: the "
-                "admission limit must allow the largest batch"
-            )
-        _share("tighten_at", self.tighten_at, hi=1.0 + 1e-9)
-        _share("loosen_below", self.loosen_below)
-        if self.loosen_below >= self.tighten_at:
-            raise ValueError(
-                f"loosen_below={self.loosen_below} >= tighten_at={self.tighten_at}: the "
-                "tolerance band between them would be empty"
-            )
-        _share("decrease", self.decrease)
-        _share("increase_share", self.increase_share)
-        _share("max_step", self.max_step)
-        for name in ("stabilization_s", "burn_window_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name}={v!r}: must be a number of seconds >= 0")
-        if not (math.isfinite(self.burn_rate) and self.burn_rate >= 1):
-            raise ValueError(f"burn_rate={self.burn_rate!r}: must be a number >= 1")
-        for b, t in self.curve:
-            if not (isinstance(b, int) and b >= 1 and math.isfinite(t) and t > 0):
-                raise ValueError(f"curve point ({b!r}, {t!r}): need a batch >= 1, seconds > 0")
-
-    @property
-    def concurrency_limit(self) -> int:
-        if self.concurrency_max is not None:
-            return self.concurrency_max
-        return max(self.batch_max, round(self.batch_max * self.headroom))
-
-    def knobs(self, batch: int, concurrency: int | None = None) -> Knobs:
-        """``batch`` within the bounds, at this policy's headroom (or ``concurrency``)."""
-        b = min(self.batch_max, max(self.batch_min, batch))
-        c = round(b * self.headroom) if concurrency is None else concurrency
-        return Knobs(max_batch_size=b, max_concurrency=min(self.concurrency_limit, max(b, c)))
-
-    def predict_tpot_s(self, batch_from: int, p99_from: float, batch_to: int) -> float:
-        """The p99 TPOT at ``batch_to`` given ``p99_from`` measured at ``batch_from``: the
-        curve's ratio between them (log-log interpolation, flat beyond its ends)."""
-        if len(self.curve) < 2:
-            return p99_from * batch_to / batch_from
-        return p99_from * _on_curve(self.curve, batch_to) / _on_curve(self.curve, batch_from)
-
-
-def _on_curve(curve: tuple[tuple[int, float], ...], b: int) -> float:
-    pts = sorted(curve)
-    if b <= pts[0][0]:
-        return pts[0][1]
-    if b >= pts[-1][0]:
-        # beyond the measured curve: the last segment's slope, never flatter than linear/2
-        (b1, t1), (b2, t2) = pts[-2], pts[-1]
-        slope = max(0.5, math.log(t2 / t1) / math.log(b2 / b1)) if b2 != b1 else 1.0
-        return t2 * (b / b2) ** slope
-    for (b1, t1), (b2, t2) in zip(pts, pts[1:], strict=False):
-        if b1 <= b <= b2:
-            if b2 == b1:
-                return t1
-            w = math.log(b / b1) / math.log(b2 / b1)
-            return math.exp(math.log(t1) + w * (math.log(t2) - math.log(t1)))
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _loosen_to(b: int, p99: float, policy: Policy, *, top: int | None = None) -> int:
@@ -600,30 +499,3 @@ def _running_batch(o: Observation, limit: int) -> int:
     if math.isfinite(o.running) and 0 < o.running < limit:
         return max(1, math.ceil(o.running))
     return limit
-
-
-def policy_from_curve(report: dict[str, Any], *, slo: Slo, **kw: Any) -> Policy:
-    """A policy bounded by a canary's ``curve.json`` (``slotune tune --out``): the batch
-    never above the largest batch the canary measured, the admission limit at the
-    operating point's headroom, and the p99 TPOT the canary measured per batch (the median
-    of its windows) as the curve loosening is predicted on. ValueError when the report has
-    no operating point or no measured TPOT."""
-    op = report.get("operating_point") or {}
-    try:
-        b0, c0 = int(op["max_batch_size"]), int(op["max_concurrency"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError("the curve has no operating point (the canary found none)") from None
-    per: dict[int, list[float]] = {}
-    largest = b0
-    for t in report.get("trials") or []:
-        b, ms = t.get("max_batch_size"), t.get("p99_tpot_ms")
-        if not isinstance(b, int) or b < 1:
-            continue
-        largest = max(largest, b)
-        if isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0:
-            per.setdefault(b, []).append(ms / 1e3)
-    if not per:
-        raise ValueError("the curve holds no measured p99 TPOT")
-    curve = tuple((b, sorted(v)[len(v) // 2]) for b, v in sorted(per.items()))
-    kw.setdefault("batch_max", largest)
-    return Policy(slo=slo, headroom=c0 / b0, curve=curve, **kw)

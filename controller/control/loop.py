@@ -32,12 +32,12 @@ from controller.backends.actuator import UNSETTLED, Actuator, ActuatorError, Fle
 from controller.control.decide import (
     Action,
     Decision,
-    Policy,
     Signals,
     State,
     acknowledge,
     decide,
 )
+from controller.control.policy import Policy
 from controller.control.store import AuditLog, Lease, load_state, save_state
 from controller.windows import WindowReader
 from metrics.exporter import ControllerExporter

@@ -23,8 +23,9 @@ from controller.backends.actuator import ActuatorError
 from controller.backends.kuberay import KubeRayActuator
 from controller.backends.serve import replace_app
 from controller.backends.serve_rest import ServeRest, declarative_apps
-from controller.control.decide import Policy, State
+from controller.control.decide import State
 from controller.control.loop import ControlFailed, LoopConfig, run_control
+from controller.control.policy import Policy
 from controller.control.store import save_state
 from metrics.observation import Observation, Slo
 from search.space import Knobs

@@ -142,8 +142,9 @@ def test_a_replica_killed_mid_window_is_no_decision_and_control_resumes(
     import signal
     import time
 
-    from controller.control.decide import Policy, State
+    from controller.control.decide import State
     from controller.control.loop import LoopConfig, run_control
+    from controller.control.policy import Policy
     from controller.control.store import save_state
     from serving.app.deploy import replica_pids
 

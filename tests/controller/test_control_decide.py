@@ -10,12 +10,12 @@ import pytest
 from controller.control.decide import (
     Action,
     Outcome,
-    Policy,
     Signals,
     State,
     acknowledge,
     decide,
 )
+from controller.control.policy import Policy
 from metrics.observation import Observation, Slo, SloVerdict, Verdict
 from search.space import Knobs
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from controller.backends.actuator import ActuatorError, ApplyCost
-from controller.control.decide import Policy, State
+from controller.control.decide import State
 from controller.control.loop import ControlFailed, LoopConfig, run_control
+from controller.control.policy import Policy
 from controller.control.store import Lease, LeaseHeld, load_state, save_state
 from metrics import names
 from metrics.exporter import ControllerExporter
