@@ -164,6 +164,21 @@ def _wait_metrics(url: str, ready, timeout_s: float = 30.0) -> str:
         time.sleep(0.5)
 
 
+def _settled_metrics(url: str, samples: tuple[str, ...], timeout_s: float = 30.0) -> str:
+    """The export once ``samples``' sums read the same twice 2 s apart: an earlier test's
+    observations may still be on their way through Ray's agent (a CI run read a baseline
+    two replica TTFTs short of the export a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    text = httpx.get(url, timeout=30).text
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        again = httpx.get(url, timeout=30).text
+        if all(_sum(again, s) == _sum(text, s) for s in samples):
+            return again
+        text = again
+    return text
+
+
 @pytest.fixture(scope="module")
 def app(ray_cluster):
     with tiny_app(ray_cluster, APP, batch=4, ongoing=4, queued=4) as base:
@@ -238,7 +253,7 @@ def test_a_client_disconnect_mid_stream_is_counted_with_its_ttft(app) -> None:
 @pytest.mark.ray
 def test_a_streamed_ttft_is_observed_once_and_ends_at_the_proxy(app) -> None:
     ttft, replica = (names.exported(n) for n in (names.TTFT_SECONDS, names.REPLICA_TTFT_SECONDS))
-    before = httpx.get(app.metrics_url, timeout=30).text
+    before = _settled_metrics(app.metrics_url, (ttft + "_count", replica + "_count"))
     c0, r0 = _sum(before, ttft + "_count"), _sum(before, replica + "_count")
     s0, rs0 = _sum(before, ttft + "_sum"), _sum(before, replica + "_sum")
     body = {"prompt": "one stream", "max_tokens": 4, "temperature": 0, "stream": True}
