@@ -40,7 +40,7 @@ from controller.backends.kube import (
     kube_error,
     read_object,
 )
-from controller.backends.serve import ServeActuator, replace_app
+from controller.backends.serve import ServeActuator, admission_of, replace_app
 from controller.backends.serve_rest import deployment_details
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class KubeRayActuator(ServeActuator):
             (d for d in app_cfg.get("deployments") or [] if d.get("name") == self.deployment), {}
         )
         scope = app_cfg if self.batch_path.scope == "app" else entry
-        return get_path(scope, self.batch_path.parts, None), entry.get("max_ongoing_requests")
+        return get_path(scope, self.batch_path.parts, None), admission_of(entry)
 
     def current(self) -> Knobs | None:
         """The knobs the RayService declares (a knob it leaves out: the cluster's), once the
@@ -200,7 +200,7 @@ class KubeRayActuator(ServeActuator):
             live_batch = get_path(submitted, self.batch_path.parts, None)
         else:
             live_batch = get_path(cfg, self.batch_path.parts, None)
-        live = Knobs(max_batch_size=live_batch, max_concurrency=cfg.get("max_ongoing_requests"))
+        live = Knobs(max_batch_size=live_batch, max_concurrency=admission_of(cfg))
         declared = Knobs(
             max_batch_size=live.max_batch_size if batch is None else batch,
             max_concurrency=live.max_concurrency if ongoing is None else ongoing,

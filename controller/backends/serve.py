@@ -50,6 +50,7 @@ from controller.backends.serve_rest import (
     fleet_of,
 )
 from serving.app.cluster import read_token
+from serving.app.deploy import serve_limit
 
 if TYPE_CHECKING:
     from search.space import Knobs
@@ -84,9 +85,20 @@ def pick_deployment(
     return matching[0]
 
 
-# The user_config key slotune's own app reads its admission limit from
-# (serving.app.config.LiveConfig.max_ongoing_requests); kept equal to the deployment's.
+# The user_config keys slotune's own app reads its admission limit and its own queue from
+# (serving.app.config.LiveConfig): with them, the admission limit is the user_config key and
+# Serve's max_ongoing_requests follows it (serving.app.deploy.serve_limit).
 ADMISSION_KEY = "max_ongoing_requests"
+QUEUE_KEY = "max_queued_requests"
+
+
+def admission_of(deployment_config: dict[str, Any]) -> Any:
+    """The admission limit a deployment runs: slotune's own app admits in the replica, up
+    to its ``user_config`` key; any other deployment, up to Serve's ``max_ongoing_requests``."""
+    user_config = deployment_config.get("user_config")
+    if isinstance(user_config, dict) and ADMISSION_KEY in user_config:
+        return user_config[ADMISSION_KEY]
+    return deployment_config.get("max_ongoing_requests")
 
 
 def with_knobs(
@@ -100,11 +112,12 @@ def with_knobs(
     target_ongoing_requests: float | None = None,
 ) -> dict[str, Any]:
     """A copy of one app's declarative config with the batch value at ``batch_path`` and
-    the deployment's ``max_ongoing_requests`` set (and, where the deployment's
-    ``user_config`` has a ``max_ongoing_requests`` key, as slotune's own app does, that key
-    too; and ``autoscaling_config.target_ongoing_requests`` when given, which needs the
-    entry to declare an ``autoscaling_config``: :func:`declared_autoscaling`); nothing
-    else changes.
+    the admission limit set: the deployment's ``max_ongoing_requests``, or where its
+    ``user_config`` has a ``max_ongoing_requests`` key (slotune's own app) that key, with
+    Serve's limit following it (``serving.app.deploy.serve_limit``: the key, plus the app's
+    own queue and margin when it has one). With ``target_ongoing_requests``, the
+    ``autoscaling_config``'s too, which needs the entry to declare one
+    (:func:`declared_autoscaling`). Nothing else changes.
 
     The deployment's override entry is added if the config has none. A ``user_config``
     override replaces the code's whole ``user_config``, so when the entry has none it
@@ -134,9 +147,12 @@ def with_knobs(
     deps[i] = set_path(entry, parts, batch)
     user_config = deps[i].get("user_config")
     if isinstance(user_config, dict) and ADMISSION_KEY in user_config:
-        # slotune's own app admits in the replica, up to this user_config key: it follows
-        # the deployment's limit, or the replica would keep refusing above the old one.
+        # slotune's own app admits in the replica, up to this user_config key, and queues
+        # up to its own; Serve hands over up to both and a margin (deploy/serve-config.yaml)
         deps[i] = set_path(deps[i], ("user_config", ADMISSION_KEY), max_ongoing_requests)
+        deps[i]["max_ongoing_requests"] = serve_limit(
+            max_ongoing_requests, user_config.get(QUEUE_KEY)
+        )
     return new
 
 
@@ -204,7 +220,7 @@ class ServeActuator:
             details = self.rest.details()
             dep = deployment_details(details, self.app, self.deployment)
             batch = self._batch_now(details)
-            ongoing = (dep.get("deployment_config") or {}).get("max_ongoing_requests")
+            ongoing = admission_of(dep.get("deployment_config") or {})
             return Knobs(max_batch_size=batch, max_concurrency=ongoing)
         except (ActuatorError, ValueError, TypeError) as e:  # informational
             log.warning("could not read the knobs of %s/%s: %s", self.app, self.deployment, e)
@@ -284,7 +300,7 @@ class ServeActuator:
             return None
         target = float(auto.get("target_ongoing_requests") or SERVE_DEFAULT_TARGET)
         if self._limit_per_target is None:
-            ongoing = (dep.get("deployment_config") or {}).get("max_ongoing_requests") or limit
+            ongoing = admission_of(dep.get("deployment_config") or {}) or limit
             self._limit_per_target = limit_per_target(float(ongoing), target)
         if declared_autoscaling(app_cfg, self.deployment) is None:
             # Autoscaling from the code (or num_replicas: auto without a mapping): moving
@@ -321,7 +337,7 @@ class ServeActuator:
         self, knobs: Knobs, batch: int, dep: dict[str, Any], target: float | None = None
     ) -> bool:
         cfg = dep.get("deployment_config") or {}
-        if cfg.get("max_ongoing_requests") != int(knobs.max_concurrency):
+        if admission_of(cfg) != int(knobs.max_concurrency):
             return False
         if target is not None:
             now = (effective_autoscaling(dep) or {}).get("target_ongoing_requests")

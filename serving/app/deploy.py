@@ -104,12 +104,9 @@ def app_config(
         live = replace(live, max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
     limit = live.max_ongoing_requests
     assert limit is not None
-    if max_queued_requests == -1:  # unbounded: Serve's router queues, the replica admits
-        live = replace(live, max_queued_requests=None)
-        serve_ongoing = limit
-    else:  # bounded: the replica queues and refuses; Serve only hands requests over
-        live = replace(live, max_queued_requests=max_queued_requests)
-        serve_ongoing = limit + max_queued_requests + refusal_margin(limit)
+    queued = None if max_queued_requests == -1 else max_queued_requests
+    live = replace(live, max_queued_requests=queued)
+    serve_ongoing = serve_limit(limit, queued)
     return {
         "name": name,
         "route_prefix": route_prefix,
@@ -126,6 +123,15 @@ def app_config(
             }
         ],
     }
+
+
+def serve_limit(admission: int, queued: int | None) -> int:
+    """Serve's ``max_ongoing_requests`` for a replica admitting ``admission`` and queueing
+    ``queued`` itself (None: unbounded, so Serve's router queues and the two limits are
+    one); bounded, Serve only hands requests over, up to the refusal margin beyond."""
+    if queued is None:
+        return admission
+    return admission + queued + refusal_margin(admission)
 
 
 def refusal_margin(limit: int) -> int:

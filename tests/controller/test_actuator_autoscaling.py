@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 
+from controller.backends.actuator import UNSETTLED
 from controller.backends.serve import ServeActuator
 from controller.backends.serve_autoscaling import Scaling, predicted_replicas
 from search.space import Knobs
@@ -190,3 +191,148 @@ def test_limit_and_target_move_together_live_without_restart(autoscaled) -> None
     assert scaling.follows_admission and scaling.default_policy
     assert scaling.predict(1000) == 2  # bounded by max_replicas
     assert a.describe()["autoscaling"]["target_ongoing_requests"] == 18.0
+
+
+SCALING_APP = "actuator-autoscaling-events"
+
+
+class _Clients:
+    """``n`` loopback clients, each sending its next completion when the last one ends: a
+    steady number of requests in flight. Bounded by ``limit_s``; stopped on exit."""
+
+    def __init__(self, url: str, n: int, *, limit_s: float) -> None:
+        import threading
+
+        self.url, self.limit_s = url, limit_s
+        self.done = threading.Event()
+        self.ok = 0
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
+
+    def _client(self) -> None:
+        import time
+
+        import httpx
+
+        end = time.monotonic() + self.limit_s
+        body = {"prompt": "count with me", "max_tokens": 48, "ignore_eos": True}
+        with httpx.Client(timeout=120, trust_env=False) as http:
+            while not self.done.is_set() and time.monotonic() < end:
+                r = http.post(self.url, json=body)
+                self.ok += r.status_code == 200
+
+    def __enter__(self) -> _Clients:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        for t in self.threads:
+            t.join(timeout=130)
+
+
+def _settles_at(a: ServeActuator, want: int, timeout_s: float) -> list[int]:
+    """Poll the replica count Serve reports until it is ``want`` (the counts seen)."""
+    import time
+
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sc = a.scaling()
+        assert sc is not None
+        fleet = a.fleet()
+        running = len(fleet)
+        if not seen or seen[-1] != running:
+            seen.append(running)
+        settled = not any(v.startswith(UNSETTLED) for _, _, v in fleet)
+        if running == want and settled and sc.current_replicas == want:
+            return seen
+        time.sleep(1.0)
+    raise AssertionError(f"Serve did not settle at {want} replicas in {timeout_s} s: {seen}")
+
+
+def test_a_raised_limit_scales_the_fleet_as_predicted_and_decide_holds_it(ray_cluster) -> None:
+    """Serve's autoscaler live, 1..2 replicas, 5 requests in flight: at limit 8, target 4
+    it runs 2 replicas; the tick's loosening to limit 10 (target 5) is predicted to settle
+    at 1, so it holds; applied anyway, Serve does go to 1, and back to 2 at the old limit."""
+    import math
+
+    from controller.backends.serve_rest import ServeRest, declarative_apps
+    from controller.control.decide import Action, Signals, State, decide
+    from controller.control.policy import Policy
+    from metrics.observation import Observation, Slo, SloVerdict, Verdict
+    from serving.app.cluster import read_token
+    from serving.app.config import LiveConfig, ServerArgs
+    from serving.app.deploy import app_config, delete_app
+
+    in_flight = 5
+    cfg = app_config(
+        name=SCALING_APP,
+        route_prefix=f"/{SCALING_APP}",
+        args=ServerArgs(model="tiny", max_slots=16),
+        live=LiveConfig(max_batch_size=8, ttft_p99_s=3.0, tpot_p99_s=0.25, max_ongoing_requests=8),
+        max_queued_requests=-1,
+    )
+    (entry,) = cfg["deployments"]
+    del entry["num_replicas"]
+    entry["autoscaling_config"] = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 4,  # limit 8 per target 4: the ratio kept when it moves
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2.0,
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 3.0,
+    }
+    rest = ServeRest(ray_cluster.dashboard_url, token=read_token())
+    details = rest.details()
+    rest.put(details, [*(a for a in declarative_apps(details) if a["name"] != SCALING_APP), cfg])
+    url = f"{ray_cluster.http_url}/{SCALING_APP}/v1/completions"
+    try:
+        rest.wait(SCALING_APP, DEPLOYMENT, lambda d: True, timeout_s=120)
+        a = ServeActuator(app=SCALING_APP, dashboard_url=ray_cluster.dashboard_url)
+        assert _settles_at(a, 1, 60)[-1] == 1  # no load: the minimum
+        with _Clients(url, in_flight, limit_s=420) as load:
+            _settles_at(a, 2, 150)
+            sc = a.scaling()
+            assert sc is not None and (sc.target_ongoing_requests, sc.current_replicas) == (4.0, 2)
+            assert sc.predict(in_flight) == 2
+            cur = Knobs(max_batch_size=8, max_concurrency=8)
+
+            def met(share: float) -> SloVerdict:
+                return SloVerdict(
+                    verdict=Verdict.MET, threshold_s=1.0, estimate_s=share,
+                    samples=500, confidence=0.95,
+                )  # fmt: skip
+
+            # A calm window as these replicas run it (2.5 of the 5 in flight each) with demand
+            # refused at the door: the loosening (8 -> 10, the target 4 -> 5) would let the 5
+            # settle on 1 replica, so the tick holds.
+            calm = Observation(
+                start_s=0.0, end_s=400.0, completed=500, slo_met=500, rejected=5,
+                running=in_flight / 2, waiting=0.0, ttft_verdict=met(0.1), tpot_verdict=met(0.1),
+            )  # fmt: skip
+            policy = Policy(
+                slo=Slo(ttft_p99_s=1.0, tpot_p99_s=1.0), batch_max=16, increase=4,
+                stabilization_s=60.0,
+            )  # fmt: skip
+            calm_state = State(knobs=cur, calm_since=0.0)
+            d = decide(Signals(observation=calm, live=cur, scaling=sc), calm_state, policy)
+            assert d.action is Action.HOLD and "would settle at 1 of 2" in d.reason, d.reason
+            # Without the autoscaler's view it loosens: the guard is what held.
+            free = decide(Signals(observation=calm, live=cur), calm_state, policy)
+            assert free.action is Action.LOOSEN, free.reason
+            assert free.knobs == Knobs(max_batch_size=10, max_concurrency=10), free.reason
+            # Applied anyway: Serve's autoscaler does what was predicted ...
+            cost = a.apply(free.knobs)
+            assert cost.changed and not cost.restarted
+            target = a.scaling().target_ongoing_requests  # type: ignore[union-attr]
+            assert math.ceil(in_flight / target) == 1
+            assert _settles_at(a, 1, 150)[-1] == 1
+            # ... and the old limit brings the second replica back.
+            a.apply(cur)
+            assert _settles_at(a, 2, 150)[-1] == 2
+        assert load.ok > 0
+    finally:
+        rest.close()
+        delete_app(SCALING_APP)

@@ -182,3 +182,94 @@ def test_a_replica_killed_mid_window_is_no_decision_and_control_resumes(
     # the replacement replica is a new fleet: the windows after it are judged again
     assert rows[-1]["outcome"] == "met", [r["reason"] for r in rows]
     assert a.current() == k  # nothing was changed on a partial window
+
+
+class _Throttle:
+    """A replica process on a CPU duty cycle (SIGSTOP ``stop_s``, SIGCONT ``run_s``): a slow
+    node, made real. Bounded in time; the process is always left running."""
+
+    def __init__(self, pid: int, *, stop_s: float, run_s: float, limit_s: float) -> None:
+        import threading
+
+        self.pid, self.stop_s, self.run_s, self.limit_s = pid, stop_s, run_s, limit_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        import os
+        import signal
+        import time
+
+        end = time.monotonic() + self.limit_s
+        try:
+            while not self.done.is_set() and time.monotonic() < end:
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(self.run_s)
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
+    def __enter__(self) -> _Throttle:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join(timeout=10)
+
+
+def test_a_slow_replica_is_named_not_averaged_away(two_replicas) -> None:
+    """One of two replicas on a third of a CPU: the window read from Ray's metrics port
+    holds each replica's p99 TPOT, and the tick names the slow one as an outlier."""
+    from controller.control.decide import OUTLIER_RATIO, Signals, State, decide
+    from controller.control.policy import Policy
+    from controller.targets import RequestShape, WindowPlan, measure_window
+    from controller.tune_setup import make_reader
+    from serving.app.deploy import replica_states
+    from serving.sim.workload import LengthDist
+
+    a = _actuator(two_replicas)
+    k = Knobs(max_batch_size=4, max_concurrency=8)
+    a.apply(k)
+    loose = Slo(ttft_p99_s=30.0, tpot_p99_s=5.0)  # the reader's verdicts: not the point here
+    shape = RequestShape(prompt_tokens=LengthDist(mean=8), output_tokens=LengthDist(mean=16))
+
+    def window_now(seconds: float) -> Observation:
+        reader, _ = make_reader(
+            slo=loose, app=APP, metrics_url=two_replicas.metrics_url, prometheus_url=None,
+            prefix="ray_", profile="slotune", under_ray=True,
+        )  # fmt: skip
+        m = asyncio.run(
+            measure_window(
+                url=f"{two_replicas.http_url}/{APP}",
+                knobs=k,
+                slo=loose,
+                plan=WindowPlan(warmup_s=2.0, window_s=seconds, max_window_s=seconds + 10),
+                shape=shape,
+                reader=reader,
+                fleet=a.fleet,
+            )
+        )
+        assert not m.fault, m.fault
+        return m.observation
+
+    healthy = window_now(8.0)
+    assert len(healthy.replica_tpot) == 2, healthy.replica_tpot
+    fleet_p99 = max(p99 for _, p99, _ in healthy.replica_tpot)
+    slow, fast = sorted(replica_states(APP), key=lambda s: s.replica_id)
+    with _Throttle(slow.pid, stop_s=0.07, run_s=0.03, limit_s=60.0):
+        seen = window_now(12.0)
+    by_replica = {r: (p99, n) for r, p99, n in seen.replica_tpot}
+    assert set(by_replica) == {slow.replica_id, fast.replica_id}, by_replica
+    assert by_replica[slow.replica_id][0] >= OUTLIER_RATIO * by_replica[fast.replica_id][0], (
+        by_replica
+    )
+    # the SLO at twice the healthy fleet's p99: the slow replica is over it, the fleet
+    # p99 may or may not be, and the tick must say which replica it is either way
+    policy = Policy(
+        slo=Slo(ttft_p99_s=30.0, tpot_p99_s=2 * fleet_p99), batch_max=16, min_requests=10
+    )
+    d = decide(Signals(observation=seen, live=k, fault=""), State(knobs=k), policy)
+    assert d.outliers == (slow.replica_id,), (d.reason, by_replica)
+    assert f"outlier: replica {slow.replica_id}" in d.reason

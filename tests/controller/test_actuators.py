@@ -20,7 +20,7 @@ from controller.backends.knob_path import (
     set_path,
 )
 from controller.backends.none import NoActuator
-from controller.backends.serve import ServeActuator, pick_deployment, with_knobs
+from controller.backends.serve import ServeActuator, admission_of, pick_deployment, with_knobs
 from controller.backends.serve_autoscaling import (
     Scaling,
     limit_per_target,
@@ -122,6 +122,45 @@ def test_serve_edit_changes_exactly_two_fields() -> None:
     rest = copy.deepcopy(new)
     rest["deployments"][0].update(old["deployments"][0])
     assert rest == old  # nothing else moved
+
+
+def test_serve_edit_of_slotunes_own_app_moves_its_admission_key_and_serves_limit() -> None:
+    """deploy/serve-config.yaml's layout: the replica admits 16 and queues 64, and Serve
+    hands it up to 96 (16 + 64 + a margin of 16). The admission limit is the user_config
+    key; Serve's limit follows it as serving.app.deploy builds it."""
+    from serving.app.deploy import serve_limit
+
+    old = _slotune_app()
+    dep = old["deployments"][0]
+    dep["user_config"] = {"max_batch_size": 8, "max_ongoing_requests": 16}
+    dep["user_config"]["max_queued_requests"] = 64
+    dep["max_ongoing_requests"] = 96
+    assert admission_of(dep) == 16
+    new = with_knobs(
+        old,
+        deployment="CompletionServer",
+        batch_path=KnobPath.parse("user_config.max_batch_size"),
+        batch=4,
+        max_ongoing_requests=12,
+    )
+    got = new["deployments"][0]
+    assert got["user_config"] == {
+        "max_batch_size": 4, "max_ongoing_requests": 12, "max_queued_requests": 64
+    }  # fmt: skip
+    assert got["max_ongoing_requests"] == serve_limit(12, 64) == 12 + 64 + 12
+    assert admission_of(got) == 12
+    assert restarting_changes(old, new) == []
+    # without a queue of its own, Serve's router queues and the two limits are one
+    del dep["user_config"]["max_queued_requests"]
+    bare = with_knobs(
+        old,
+        deployment="CompletionServer",
+        batch_path=KnobPath.parse("user_config.max_batch_size"),
+        batch=4,
+        max_ongoing_requests=12,
+    )
+    assert bare["deployments"][0]["max_ongoing_requests"] == 12
+    assert admission_of({"max_ongoing_requests": 7, "user_config": {"b": 1}}) == 7
 
 
 def test_serve_edit_of_a_code_defined_user_config_keeps_its_other_keys() -> None:
