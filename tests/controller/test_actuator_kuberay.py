@@ -228,7 +228,8 @@ def test_someone_elses_edit_of_the_cr_holds_then_pauses_the_controller(fresh, tm
 
     def edit(o: dict[str, Any]) -> None:  # GitOps syncs another admission limit
         cfg = yaml.safe_load(o["spec"]["serveConfigV2"])
-        cfg["applications"][0]["deployments"][0]["max_ongoing_requests"] = 9
+        dep = cfg["applications"][0]["deployments"][0]
+        dep["max_ongoing_requests"] = dep["user_config"]["max_ongoing_requests"] = 9
         o["spec"]["serveConfigV2"] = yaml.safe_dump(cfg)
 
     operator.paused.set()  # KubeRay has not submitted it yet: the two disagree

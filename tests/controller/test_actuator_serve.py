@@ -254,13 +254,15 @@ def test_a_slow_replica_is_named_not_averaged_away(two_replicas) -> None:
         assert not m.fault, m.fault
         return m.observation
 
+    # (a replica killed by an earlier test keeps its series in Ray's export: no requests)
     healthy = window_now(8.0)
-    assert len(healthy.replica_tpot) == 2, healthy.replica_tpot
-    fleet_p99 = max(p99 for _, p99, _ in healthy.replica_tpot)
+    served = [p99 for _, p99, n in healthy.replica_tpot if n > 0]
+    assert len(served) == 2, healthy.replica_tpot
+    fleet_p99 = max(served)
     slow, fast = sorted(replica_states(APP), key=lambda s: s.replica_id)
     with _Throttle(slow.pid, stop_s=0.07, run_s=0.03, limit_s=60.0):
         seen = window_now(12.0)
-    by_replica = {r: (p99, n) for r, p99, n in seen.replica_tpot}
+    by_replica = {r: (p99, n) for r, p99, n in seen.replica_tpot if n > 0}
     assert set(by_replica) == {slow.replica_id, fast.replica_id}, by_replica
     assert by_replica[slow.replica_id][0] >= OUTLIER_RATIO * by_replica[fast.replica_id][0], (
         by_replica
