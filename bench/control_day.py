@@ -32,7 +32,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,6 +63,8 @@ class Run:
     windows: int = 0
     within: int = 0
     changes: int = 0
+    missed: list = field(default_factory=list)  # (window, batch, p99 TTFT, p99 TPOT) over
+    by_window: list = field(default_factory=list)  # requests within the SLO per window
 
     @property
     def rps(self) -> float:
@@ -72,8 +74,9 @@ class Run:
     def attainment(self) -> float:
         return self.within / self.windows if self.windows else math.nan
 
-    def add(self, o: Observation, slo) -> None:
+    def add(self, o: Observation, slo, batch: int = 0) -> None:
         self.goodput += o.slo_met
+        self.by_window.append(o.slo_met)
         self.seconds += o.window_s
         self.windows += 1
         ok = (
@@ -82,6 +85,9 @@ class Run:
             and (math.isnan(o.tpot.p99) or o.tpot.p99 <= slo.tpot_p99_s)
         )
         self.within += ok
+        if not ok:
+            p = (round(o.ttft.p99 / slo.ttft_p99_s, 2), round(o.tpot.p99 / slo.tpot_p99_s, 2))
+            self.missed.append((self.windows - 1, batch, *p))
 
 
 def hour_targets(
@@ -168,7 +174,7 @@ def main() -> None:
     trace = []
     for i in range(len(ticks)):
         o = window(state.knobs, i)
-        ctl.add(o, slo)
+        ctl.add(o, slo, state.knobs.max_batch_size)
         d = decide(Signals(observation=o), state, policy)
         actions[d.action.value] = actions.get(d.action.value, 0) + 1
         ctl.changes += d.action in (Action.TIGHTEN, Action.LOOSEN, Action.ROLLBACK)
@@ -178,7 +184,7 @@ def main() -> None:
     def fixed(knobs: Knobs) -> Run:
         r = Run()
         for i in range(len(ticks)):
-            r.add(window(knobs, i), slo)
+            r.add(window(knobs, i), slo, knobs.max_batch_size)
         return r
 
     grid = {b: fixed(Knobs(max_batch_size=b, max_concurrency=b)) for b in lattice}
@@ -213,7 +219,17 @@ def main() -> None:
             "changes": ctl.changes,
             "actions": actions,
             "batch_by_hour": [trace[h * args.ticks] for h in range(24)],
+            # (window, batch, p99 TTFT, p99 TPOT as shares of the SLO) of each window over it
+            "missed": ctl.missed,
         },
+        # control's requests within the SLO less the best fixed setting's, hour by hour
+        "goodput_vs_best_by_hour": None
+        if best is None
+        else [
+            sum(ctl.by_window[h * args.ticks : (h + 1) * args.ticks])
+            - sum(best.by_window[h * args.ticks : (h + 1) * args.ticks])
+            for h in range(24)
+        ],
         "best_fixed": None
         if best is None
         else {"batch": best_b, "goodput_rps": best.rps, "within_slo": best.attainment},
