@@ -125,35 +125,49 @@ def test_only_a_declared_autoscaling_config_changes_live() -> None:
     assert version(base) != version(base, target_ongoing_requests=24.0)  # a restart
 
 
-@pytest.fixture(scope="module")
-def autoscaled(ray_cluster):
+def _deploy_autoscaled(cluster, name: str, *, batch: int, limit: int, autoscaling: dict):
+    """slotune's tiny app as ``name``, its admission limit ``limit`` (Serve's router queues:
+    the deployment's limit is the same), with ``autoscaling`` as its declared
+    ``autoscaling_config``, through Serve's REST API as ``serve deploy`` or KubeRay would;
+    returns the REST client once the app runs."""
     from controller.backends.serve_rest import ServeRest, declarative_apps
     from serving.app.cluster import read_token
     from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import app_config, delete_app
+    from serving.app.deploy import app_config
 
     cfg = app_config(
-        name=APP,
-        route_prefix=f"/{APP}",
+        name=name,
+        route_prefix=f"/{name}",
         args=ServerArgs(model="tiny", max_slots=16),
-        live=LiveConfig(max_batch_size=2, ttft_p99_s=3.0, tpot_p99_s=0.25, max_ongoing_requests=16),
-        max_queued_requests=-1,  # Serve's router queues: the deployment's limit is 16
+        live=LiveConfig(
+            max_batch_size=batch, ttft_p99_s=3.0, tpot_p99_s=0.25, max_ongoing_requests=limit
+        ),
+        max_queued_requests=-1,
     )
     (entry,) = cfg["deployments"]
     del entry["num_replicas"]  # Serve refuses an int next to an autoscaling_config
-    entry["autoscaling_config"] = {
-        "min_replicas": 2,
-        "max_replicas": 2,
-        "target_ongoing_requests": 12,
-    }
-    rest = ServeRest(ray_cluster.dashboard_url, token=read_token())
+    entry["autoscaling_config"] = autoscaling
+    rest = ServeRest(cluster.dashboard_url, token=read_token())
     details = rest.details()
-    rest.put(details, [*(a for a in declarative_apps(details) if a["name"] != APP), cfg])
     try:
-        rest.wait(APP, DEPLOYMENT, lambda d: True, timeout_s=120)
+        rest.put(details, [*(a for a in declarative_apps(details) if a["name"] != name), cfg])
+        rest.wait(name, DEPLOYMENT, lambda d: True, timeout_s=120)
+    except BaseException:
+        rest.close()
+        raise
+    return rest
+
+
+@pytest.fixture(scope="module")
+def autoscaled(ray_cluster):
+    from serving.app.deploy import delete_app
+
+    auto = {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 12}
+    try:
+        rest = _deploy_autoscaled(ray_cluster, APP, batch=2, limit=16, autoscaling=auto)
+        rest.close()
         yield ray_cluster
     finally:
-        rest.close()
         delete_app(APP)
 
 
@@ -257,25 +271,13 @@ def test_a_raised_limit_scales_the_fleet_as_predicted_and_decide_holds_it(ray_cl
     at 1, so it holds; applied anyway, Serve does go to 1, and back to 2 at the old limit."""
     import math
 
-    from controller.backends.serve_rest import ServeRest, declarative_apps
     from controller.control.decide import Action, Signals, State, decide
     from controller.control.policy import Policy
     from metrics.observation import Observation, Slo, SloVerdict, Verdict
-    from serving.app.cluster import read_token
-    from serving.app.config import LiveConfig, ServerArgs
-    from serving.app.deploy import app_config, delete_app
+    from serving.app.deploy import delete_app
 
     in_flight = 5
-    cfg = app_config(
-        name=SCALING_APP,
-        route_prefix=f"/{SCALING_APP}",
-        args=ServerArgs(model="tiny", max_slots=16),
-        live=LiveConfig(max_batch_size=8, ttft_p99_s=3.0, tpot_p99_s=0.25, max_ongoing_requests=8),
-        max_queued_requests=-1,
-    )
-    (entry,) = cfg["deployments"]
-    del entry["num_replicas"]
-    entry["autoscaling_config"] = {
+    auto = {
         "min_replicas": 1,
         "max_replicas": 2,
         "target_ongoing_requests": 4,  # limit 8 per target 4: the ratio kept when it moves
@@ -284,12 +286,10 @@ def test_a_raised_limit_scales_the_fleet_as_predicted_and_decide_holds_it(ray_cl
         "upscale_delay_s": 1.0,
         "downscale_delay_s": 3.0,
     }
-    rest = ServeRest(ray_cluster.dashboard_url, token=read_token())
-    details = rest.details()
-    rest.put(details, [*(a for a in declarative_apps(details) if a["name"] != SCALING_APP), cfg])
     url = f"{ray_cluster.http_url}/{SCALING_APP}/v1/completions"
+    rest = None
     try:
-        rest.wait(SCALING_APP, DEPLOYMENT, lambda d: True, timeout_s=120)
+        rest = _deploy_autoscaled(ray_cluster, SCALING_APP, batch=8, limit=8, autoscaling=auto)
         a = ServeActuator(app=SCALING_APP, dashboard_url=ray_cluster.dashboard_url)
         assert _settles_at(a, 1, 60)[-1] == 1  # no load: the minimum
         with _Clients(url, in_flight, limit_s=420) as load:
@@ -334,5 +334,6 @@ def test_a_raised_limit_scales_the_fleet_as_predicted_and_decide_holds_it(ray_cl
             assert _settles_at(a, 2, 150)[-1] == 2
         assert load.ok > 0
     finally:
-        rest.close()
+        if rest is not None:
+            rest.close()
         delete_app(SCALING_APP)
