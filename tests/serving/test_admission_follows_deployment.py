@@ -1,10 +1,9 @@
 """A replica whose user_config sets no admission limit admits its deployment's
 ``max_ongoing_requests``, and follows it when the ``serve`` actuator changes it in place.
 
-The ``serve`` actuator (controller/backends/serve.py) changes only the deployment's
-``max_ongoing_requests`` and ``user_config.max_batch_size``; a limit in the user_config
-would stay as deployed and cap admission (docs/serving.md, "Which limit the replica
-admits"). The admission object is tested directly first; then slotune's app on the session
+Without that key the ``serve`` actuator (controller/backends/serve.py) moves the
+deployment's ``max_ongoing_requests`` (with it, the key: docs/serving.md, "Which limit the
+replica admits"). The admission object is tested directly first; then slotune's app on the session
 cluster, deployed declaratively without ``user_config.max_ongoing_requests`` and tuned
 through Serve's REST API: the same replica (same pid) admits the larger limit.
 """
