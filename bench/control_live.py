@@ -210,9 +210,8 @@ def summarise(rows, marks, plan, settle_s, slo) -> dict:
     def settling(start: float, end: float, s: float) -> bool:
         return any(start < m + s and end > m for m in marks[: len(plan)])
 
-    judged = within = 0
     changes = [0] * len(plan)
-    # the same windows counted with other settling times, to show what the setting excludes
+    # the windows counted at the settling time given, and at others to show what it excludes
     by_settle = {s: [0, 0] for s in (0.0, 20.0, 40.0, 60.0, float(settle_s))}
     for r in rows:
         o = r.get("observation") or {}
@@ -228,10 +227,7 @@ def summarise(rows, marks, plan, settle_s, slo) -> dict:
             if not settling(start, end, s):
                 counts[0] += ok
                 counts[1] += 1
-        if settling(start, end, settle_s):
-            continue
-        judged += 1
-        within += ok
+    within, judged = by_settle[float(settle_s)]
     return {
         "judged_after_settle": judged,
         "within_after_settle": within,
