@@ -211,38 +211,51 @@ SCALING_APP = "actuator-autoscaling-events"
 
 
 class _Clients:
-    """``n`` loopback clients, each sending its next completion when the last one ends: a
-    steady number of requests in flight. Bounded by ``limit_s``; stopped on exit."""
+    """slotune's closed-loop load generator (``run_load``), ``n`` workers each sending its
+    next completion when the last one ends: a steady number of requests in flight. On a
+    thread of its own, bounded by ``limit_s``; stopped on exit."""
 
     def __init__(self, url: str, n: int, *, limit_s: float) -> None:
         import threading
 
-        self.url, self.limit_s = url, limit_s
-        self.done = threading.Event()
+        from controller.load.spec import LoadSpec, completions_url
+        from serving.sim.workload import LengthDist
+
+        self.spec = LoadSpec(
+            url=completions_url(url),
+            mode="closed",
+            concurrency=n,
+            duration_s=limit_s,
+            max_requests=100_000,
+            prompt_tokens=LengthDist(mean=8),
+            output_tokens=LengthDist(mean=48),
+            request_timeout_s=120.0,
+            ignore_eos=True,
+        )
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.ok = 0
-        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
 
-    def _client(self) -> None:
-        import time
+    def _run(self) -> None:
+        import asyncio
 
-        import httpx
+        from controller.load.generator import run_load
 
-        end = time.monotonic() + self.limit_s
-        body = {"prompt": "count with me", "max_tokens": 48, "ignore_eos": True}
-        with httpx.Client(timeout=120, trust_env=False) as http:
-            while not self.done.is_set() and time.monotonic() < end:
-                r = http.post(self.url, json=body)
-                self.ok += r.status_code == 200
+        async def go() -> None:
+            self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+            self.started.set()
+            self.ok = (await run_load(self.spec, stop=self.stop)).completed
+
+        asyncio.run(go())
 
     def __enter__(self) -> _Clients:
-        for t in self.threads:
-            t.start()
+        self.thread.start()
+        self.started.wait(timeout=30)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        for t in self.threads:
-            t.join(timeout=130)
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(timeout=130)
 
 
 def _settles_at(a: ServeActuator, want: int, timeout_s: float) -> list[int]:
@@ -286,7 +299,7 @@ def test_a_raised_limit_scales_the_fleet_as_predicted_and_decide_holds_it(ray_cl
         "upscale_delay_s": 1.0,
         "downscale_delay_s": 3.0,
     }
-    url = f"{ray_cluster.http_url}/{SCALING_APP}/v1/completions"
+    url = f"{ray_cluster.http_url}/{SCALING_APP}"
     rest = None
     try:
         rest = _deploy_autoscaled(ray_cluster, SCALING_APP, batch=8, limit=8, autoscaling=auto)
