@@ -72,7 +72,7 @@ class CurveReport:
         from search.space import Knobs
 
         groups: dict[Any, list[tuple[dict[str, Any], float, int]]] = {}
-        for t in self.trials:
+        for t in self.searched:
             k = Knobs(max_batch_size=t.max_batch_size, max_concurrency=t.max_concurrency)
             value = t.goodput_rps if math.isfinite(t.goodput_rps) else 0.0
             groups.setdefault(k, []).append((t.window_attrs(), value, t.number))
@@ -104,10 +104,16 @@ class CurveReport:
             points, confirmations=1
         )
 
+    @property
+    def searched(self) -> tuple[TrialRecord, ...]:
+        """The tuner's own trials: the operating point is chosen among these alone (a
+        sweep's or production's windows are drawn beside them, not searched)."""
+        return tuple(t for t in self.trials if t.role == "search")
+
     def measurements_of(self, t: Any) -> list[TrialRecord]:
-        """Every trial of the same knobs as ``t`` (a trial record or knobs)."""
+        """Every search trial of the same knobs as ``t`` (a trial record or knobs)."""
         k = (t.max_batch_size, t.max_concurrency)
-        return [x for x in self.trials if (x.max_batch_size, x.max_concurrency) == k]
+        return [x for x in self.searched if (x.max_batch_size, x.max_concurrency) == k]
 
     def predicted_at(self, batch: int) -> PredictedPoint | None:
         """The roofline's predicted point at ``batch`` (linear interpolation between curve

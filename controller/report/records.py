@@ -28,6 +28,9 @@ def ms_of(seconds: float) -> float:
     return seconds * 1e3 if math.isfinite(seconds) else math.nan
 
 
+ROLES = ("search", "sweep", "production")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrialRecord:
     """One measured trial, flat (one CSV row; one JSONL line)."""
@@ -68,6 +71,14 @@ class TrialRecord:
     # ``feasible``): the request counts behind each verdict, so the report pools a
     # knob's windows exactly as the tuner does. Not a CSV column. None: not known.
     evidence: Mapping[str, Any] | None = None
+    # Why the window was measured: "search" (a tuner trial: the operating point is chosen
+    # among these alone), "sweep" (``slotune tune --curve-points``: drawn, not searched) or
+    # "production" (a ``slotune control`` window merged by ``slotune export``: passive).
+    role: str = "search"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r}: must be one of {', '.join(ROLES)}")
 
     @classmethod
     def from_observation(
@@ -83,6 +94,7 @@ class TrialRecord:
         note: str = "",
         remeasured: int = 0,
         predicted_tpot_s: float = math.nan,
+        role: str = "search",
     ) -> TrialRecord:
         def verdict(v: Any) -> tuple[str, int]:
             return ("none", 0) if v is None else (Verdict(v.verdict).value, int(v.samples))
@@ -121,6 +133,7 @@ class TrialRecord:
             remeasured=int(remeasured),
             predicted_tpot_s=float(predicted_tpot_s),
             evidence={**observation_attrs(obs), "feasible": bool(feasible)},
+            role=role,
         )
 
     def to_dict(self) -> dict[str, Any]:
