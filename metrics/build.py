@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from metrics.binned import bin_samples, from_cumulative, sample_bounds
+from metrics.names import TPOT_BUCKETS, TTFT_BUCKETS
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict
 from metrics.quantile import histogram_quantile
 from metrics.samples import exact_quantile, verdict_from_histogram, verdict_from_samples
@@ -100,6 +102,8 @@ def observation_from_histograms(
         running=running,
         waiting=waiting,
         replica_tpot=replica_quantiles(q, replica_tpot_buckets or {}),
+        ttft_hist=from_cumulative(ttft),
+        tpot_hist=from_cumulative(tpot),
     )
 
 
@@ -185,4 +189,6 @@ def observation_from_requests(
         ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
         tpot_verdict=verdict_from_samples(tpot_known, slo.tpot_p99_s, q=q, confidence=confidence),
         source=source,
+        ttft_hist=bin_samples(ttft, sample_bounds(TTFT_BUCKETS, slo.ttft_p99_s)),
+        tpot_hist=bin_samples(tpot_known, sample_bounds(TPOT_BUCKETS, slo.tpot_p99_s)),
     )

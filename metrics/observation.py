@@ -113,6 +113,10 @@ class Observation:
     # (replica, its p99 TPOT estimate in seconds, its requests) of every replica, where the
     # source can tell replicas apart (one slow replica is seen, not averaged away)
     replica_tpot: tuple[tuple[str, float, int], ...] = ()
+    # The window's TTFT and TPOT as requests per bucket (``metrics.binned.Binned``: the
+    # server's histogram, or the raw samples binned): what two windows are compared on.
+    ttft_hist: tuple[tuple[float, int], ...] = ()
+    tpot_hist: tuple[tuple[float, int], ...] = ()
 
     @property
     def window_s(self) -> float:

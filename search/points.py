@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from metrics.binned import to_attr
 from metrics.observation import Observation, Slo, SloVerdict, Verdict
 from metrics.sequential import sequential_verdict
 from search.evidence import Counts, Judgement, borrow_bin, combine, counts_of, disagreement, judge
@@ -68,6 +69,9 @@ def observation_attrs(obs: Observation) -> dict[str, Any]:
         # so that the windows of one knob pool exactly.
         "ttft_counts": _counts_attr(obs.ttft_verdict),
         "tpot_counts": _counts_attr(obs.tpot_verdict),
+        # the window's latencies per bucket (metrics.binned), what two runs are compared on
+        "ttft_hist": to_attr(obs.ttft_hist),
+        "tpot_hist": to_attr(obs.tpot_hist),
     }
 
 

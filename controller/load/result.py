@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 from controller.load.spec import LoadSpec
+from metrics.binned import bin_samples, sample_bounds
+from metrics.names import TPOT_BUCKETS, TTFT_BUCKETS
 from metrics.observation import Observation, Percentiles, Slo
 from metrics.samples import exact_quantile, verdict_from_samples
 
@@ -138,4 +140,6 @@ def client_observation(result: LoadResult, slo: Slo, *, confidence: float = 0.95
         ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
         tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
         source="client",
+        ttft_hist=bin_samples(ttft, sample_bounds(TTFT_BUCKETS, slo.ttft_p99_s)),
+        tpot_hist=bin_samples(tpot, sample_bounds(TPOT_BUCKETS, slo.tpot_p99_s)),
     )

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from metrics.binned import bin_samples, sample_bounds
+from metrics.names import TPOT_BUCKETS, TTFT_BUCKETS
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict
 from metrics.samples import verdict_from_counts
 
@@ -117,4 +119,6 @@ def observation_from_timings(
         ttft_verdict=_verdict(ttft, slo.ttft_p99_s, q, confidence),
         tpot_verdict=_verdict(tpot, slo.tpot_p99_s, q, confidence),
         source=source,
+        ttft_hist=bin_samples(ttft, sample_bounds(TTFT_BUCKETS, slo.ttft_p99_s)),
+        tpot_hist=bin_samples(tpot, sample_bounds(TPOT_BUCKETS, slo.tpot_p99_s)),
     )

@@ -280,6 +280,11 @@ def test_deterministic_with_a_roofline_like_step_and_rejections() -> None:
 
 def _plain_observation(timings, *, slo, confidence):
     """observation_from_timings as it was written before it went to arrays: the oracle."""
+    import bisect
+    import math
+    from collections import Counter
+
+    from metrics.names import TPOT_BUCKETS, TTFT_BUCKETS
     from metrics.observation import Observation, Percentiles
     from metrics.samples import exact_quantile, verdict_from_samples
 
@@ -298,6 +303,12 @@ def _plain_observation(timings, *, slo, confidence):
             p50=exact_quantile(x, 0.5), p90=exact_quantile(x, 0.9), p99=exact_quantile(x, 0.99)
         )
 
+    def binned(x, layout, threshold):
+        # each request in the first bucket whose bound is >= it (Prometheus's le)
+        bounds = sorted({*layout, threshold})
+        counts = Counter(bisect.bisect_left(bounds, v) for v in x)
+        return tuple(((bounds + [math.inf])[i], n) for i, n in sorted(counts.items()))
+
     q = slo.quantile
     return Observation(
         start_s=1.0,
@@ -311,6 +322,8 @@ def _plain_observation(timings, *, slo, confidence):
         ttft_verdict=verdict_from_samples(ttft, slo.ttft_p99_s, q=q, confidence=confidence),
         tpot_verdict=verdict_from_samples(tpot, slo.tpot_p99_s, q=q, confidence=confidence),
         source="sim",
+        ttft_hist=binned(ttft, TTFT_BUCKETS, slo.ttft_p99_s),
+        tpot_hist=binned(tpot, TPOT_BUCKETS, slo.tpot_p99_s),
     )
 
 
