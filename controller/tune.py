@@ -35,9 +35,16 @@ from controller.progress import Progress
 from controller.report.curve import CurveReport
 from controller.report.files import write_report
 from controller.report.records import TrialRecord
+from controller.sweep import sweep_knobs
 from controller.target_errors import TargetError, TargetUnavailable
 from controller.targets import Measurement, Target
-from controller.tune_study import STUDY_META_KEY, STUDY_TRIAL_PREFIX, save_to_study, stored_records
+from controller.tune_study import (
+    STUDY_META_KEY,
+    STUDY_SWEEP_PREFIX,
+    STUDY_TRIAL_PREFIX,
+    save_to_study,
+    stored_records,
+)
 from search.space import Knobs
 
 if TYPE_CHECKING:
@@ -61,6 +68,8 @@ class TuneLimits:
     # the request rate measured so far (0: it never grows).
     budget_requests: int = 0
     budget_windows: int = 6
+    # Windows of the curve sweep after the search (controller/sweep.py); 0: none.
+    curve_points: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_trials, int) and self.max_trials >= 1):
@@ -71,7 +80,7 @@ class TuneLimits:
             raise ValueError(f"retries={self.retries!r}: must be an integer >= 0")
         if not (isinstance(self.remeasures, int) and self.remeasures >= 0):
             raise ValueError(f"remeasures={self.remeasures!r}: must be an integer >= 0")
-        for name in ("budget_requests", "budget_windows"):
+        for name in ("budget_requests", "budget_windows", "curve_points"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 0):
                 raise ValueError(f"{name}={v!r}: must be an integer >= 0")
@@ -125,13 +134,15 @@ def run_tune(
     progress: Progress | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    sweep_target: Target | None = None,
 ) -> TuneOutcome:
-    """Tune ``target`` until the stop rule, ``max_trials`` or the time budget; export the
-    report into ``out_dir`` and leave the target on the last known-good knobs (also on
-    Ctrl-C and SIGTERM)."""
+    """Tune ``target`` until the stop rule, ``max_trials`` or the time budget; measure the
+    curve sweep (``limits.curve_points`` windows, on ``sweep_target`` when given: the same
+    deployment with the sweep's window plan); export the report into ``out_dir`` and leave
+    the target on the last known-good knobs (also on Ctrl-C and SIGTERM)."""
     with _sigterm_as_interrupt():
         out, shown = Path(out_dir), progress or Progress()
-        return _tune(target, tuner, base, limits, out, shown, clock, sleep)
+        return _tune(target, tuner, base, limits, out, shown, clock, sleep, sweep_target)
 
 
 def _tune(
@@ -143,6 +154,7 @@ def _tune(
     progress: Progress,
     clock: Callable[[], float],
     sleep: Callable[[float], None],
+    sweep_target: Target | None = None,
 ) -> TuneOutcome:
     # the report declares a knob on as many windows as the tuner
     base = replace(base, confirmations=tuner.stop_rule.confirmations)
@@ -159,13 +171,14 @@ def _tune(
     walls: list[float] = []
     stop_reason = ""
     aborted = ""
+    sweep_note = ""
     interrupted = False
     t_start = clock()
     total = limits.max_trials
     try:
         while True:
             elapsed = clock() - t_start
-            if len(records) >= limits.max_trials:
+            if sum(r.role == "search" for r in records) >= limits.max_trials:
                 stop_reason = f"max trials ({limits.max_trials}) reached" + (
                     f", {resumed} of them from the resumed study" if resumed else ""
                 )
@@ -224,6 +237,9 @@ def _tune(
                 f.write(json.dumps({"t_unix": time.time(), **rec.to_dict()}) + "\n")
             save_to_study(tuner, f"{STUDY_TRIAL_PREFIX}{number:05d}", rec.to_dict())
             progress.end(rec, base.with_trials(records).chosen, total)
+        sweep_note = _sweep(
+            sweep_target or target, tuner, base, records, limits, progress, clock, sleep, jsonl
+        )
     except KeyboardInterrupt as e:
         interrupted = True
         aborted = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
@@ -251,6 +267,8 @@ def _tune(
             "final_note": note,
         }
     )
+    if not aborted and sweep_note:
+        meta["curve_sweep"] = sweep_note
     if discarded:  # windows across a fault: never data, but the reviewer must know
         meta["discarded_windows"] = f"{len(discarded)}: " + " | ".join(discarded)
     if noisy:  # windows that disagreed beyond sampling error: the environment, not the knob
@@ -271,6 +289,53 @@ def _tune(
         final_note=note,
         paths=paths,
     )
+
+
+def _sweep(
+    target: Target,
+    tuner: Tuner,
+    base: CurveReport,
+    records: list[TrialRecord],
+    limits: TuneLimits,
+    progress: Progress,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    jsonl: Path,
+) -> str:
+    """Measure the curve sweep's windows (controller/sweep.py) into ``records``; what it
+    did, in words, for the report ("" when no sweep was asked for)."""
+    if not limits.curve_points or base.with_trials(records).chosen is None:
+        return "" if not limits.curve_points else "not run: no operating point to draw around"
+    knobs_list, why = sweep_knobs(
+        [r for r in records if r.role == "search"], limits.curve_points, tuner.space
+    )
+    if not knobs_list:
+        return f"not run: {why}"
+    first = max(r.number for r in records) + 1
+    t0 = clock()
+    for i, knobs in enumerate(knobs_list):
+        progress.message(f"curve sweep {i + 1}/{len(knobs_list)}: {knobs}")
+        t1 = clock()
+        target.apply(knobs)
+        m, faults = _measure_clean(target, knobs, None, limits, progress, sleep)
+        rec = TrialRecord.from_observation(
+            number=first + i,
+            knobs=knobs,
+            obs=m.observation,
+            feasible=m.observation.feasible,
+            wall_s=clock() - t1,
+            client=m.client,
+            client_errors=m.client_errors,
+            note="; ".join(x for x in (m.note, m.observation.note) if x),
+            remeasured=len(faults),
+            role="sweep",
+        )
+        records.append(rec)
+        with jsonl.open("a") as f:
+            f.write(json.dumps({"t_unix": time.time(), **rec.to_dict()}) + "\n")
+        save_to_study(tuner, f"{STUDY_SWEEP_PREFIX}{rec.number:05d}", rec.to_dict())
+    batches = ", ".join(str(min(k.max_batch_size, k.max_concurrency)) for k in knobs_list)
+    return f"{len(knobs_list)} windows at B={batches}, {clock() - t0:.0f} s after the search"
 
 
 def _noise(tuner: Tuner, knobs: Knobs) -> str:

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 STUDY_META_KEY = "slotune.report"
 STUDY_TRIAL_PREFIX = "slotune.trial."
+STUDY_SWEEP_PREFIX = "slotune.sweep."  # the curve sweep's windows (not Optuna trials)
 
 
 def save_to_study(tuner: Tuner, key: str, value: dict[str, Any]) -> None:
@@ -34,11 +35,13 @@ def save_to_study(tuner: Tuner, key: str, value: dict[str, Any]) -> None:
 
 
 def stored_records(user_attrs: dict[str, Any]) -> list[TrialRecord]:
-    """The trial records ``run_tune`` stored in a study's user attributes, in trial order."""
+    """The records ``run_tune`` stored in a study's user attributes: the trials in trial
+    order, then the curve sweeps' windows."""
     return [
         TrialRecord.from_dict(v)
+        for prefix in (STUDY_TRIAL_PREFIX, STUDY_SWEEP_PREFIX)
         for k, v in sorted(user_attrs.items())
-        if k.startswith(STUDY_TRIAL_PREFIX)
+        if k.startswith(prefix)
     ]
 
 

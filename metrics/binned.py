@@ -31,7 +31,9 @@ from scipy import stats
 
 from metrics.samples import quantile_lower_bound, quantile_upper_bound
 
-Binned = tuple[tuple[float, int], ...]  # (bucket upper bound s, requests), increasing bounds
+# (bucket upper bound s, requests), increasing bounds: the non-empty buckets, led by the
+# empty bucket just below the first (its bound is the lowest any request can be).
+Binned = tuple[tuple[float, int], ...]
 
 
 def bin_samples(samples: Sequence[float] | np.ndarray, bounds: Sequence[float]) -> Binned:
@@ -45,7 +47,8 @@ def bin_samples(samples: Sequence[float] | np.ndarray, bounds: Sequence[float]) 
     idx = np.searchsorted(edges, x, side="left")  # [n], k: above every bound
     counts = np.bincount(idx, minlength=edges.size + 1)  # [k + 1]
     tops = [*edges.tolist(), math.inf]
-    return tuple((tops[i], int(c)) for i, c in enumerate(counts.tolist()) if c)
+    first = int(np.flatnonzero(counts)[0])
+    return tuple((tops[i], int(c)) for i, c in enumerate(counts.tolist()) if c or i == first - 1)
 
 
 def sample_bounds(layout: Sequence[float], threshold_s: float) -> tuple[float, ...]:
@@ -58,23 +61,32 @@ def from_cumulative(buckets: Mapping[float, float]) -> Binned:
     """Requests per bucket from cumulative bucket increases (``le`` → count, as a window's
     ``increase(..._bucket[w])`` gives them), rounded to whole requests; a bucket whose
     cumulative count fell (a counter reset seen by one series only) counts none."""
-    out = []
+    out: list[tuple[float, int]] = []
     prev = 0
+    below: float | None = None  # the bound before the first non-empty bucket
     for le in sorted(buckets):
         cum = max(prev, round(float(buckets[le]))) if math.isfinite(buckets[le]) else prev
         if cum > prev:
+            if not out and below is not None:
+                out.append((below, 0))
             out.append((float(le), cum - prev))
         prev = cum
+        below = float(le)
     return tuple(out)
 
 
 def pool(parts: Iterable[Binned]) -> Binned:
-    """The windows' buckets added together (one knob measured in several windows)."""
+    """The windows' buckets added together (one knob measured in several windows); the
+    empty bucket below the lowest request is kept, as in each part."""
     acc: dict[float, int] = {}
     for b in parts:
         for le, n in b:
             acc[float(le)] = acc.get(float(le), 0) + int(n)
-    return tuple((le, n) for le, n in sorted(acc.items()) if n)
+    items = sorted(acc.items())
+    first = next((i for i, (_, n) in enumerate(items) if n), None)
+    if first is None:
+        return ()
+    return tuple((le, n) for i, (le, n) in enumerate(items) if n or i == first - 1)
 
 
 def total(b: Binned) -> int:
@@ -101,7 +113,7 @@ def quantile_interval(b: Binned, q: float, confidence: float = 0.95) -> tuple[fl
     the order statistics' distribution-free bounds (each side at (1 + confidence) / 2),
     taken at the lower edge of the bucket the lower rank falls in and the upper edge of
     the one the upper rank falls in. (nan, nan) with no requests; ±inf with too few."""
-    if not b:
+    if not total(b):
         return math.nan, math.nan
     tops = np.array([le for le, _ in b])  # [k]
     lows = np.concatenate([[0.0], tops[:-1]])  # [k] (an empty bucket between: still below)

@@ -89,6 +89,17 @@ def quantile_lower_bound(samples: Iterable[float], q: float, confidence: float =
     return float(x[ks[ok][-1] - 1]) if ok.any() else -math.inf
 
 
+def poisson_interval(k: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Garwood's exact two-sided interval of a Poisson mean from one count ``k`` (requests
+    in a window: divide by its length for a rate)."""
+    if not (isinstance(k, int) and k >= 0):
+        raise ValueError(f"k={k!r}: must be a whole count >= 0")
+    _check(0.5, confidence)
+    a = 1 - confidence
+    lo = 0.0 if k == 0 else float(stats.chi2.ppf(a / 2, 2 * k)) / 2
+    return lo, float(stats.chi2.ppf(1 - a / 2, 2 * k + 2)) / 2
+
+
 def _binom_cdf(k: int, n: int, p: float) -> float:
     """P(Bin(n, p) <= k) of whole ``k`` and ``n >= 0``, ``0 <= p <= 1``."""
     if k < 0:

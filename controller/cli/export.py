@@ -36,7 +36,7 @@ def export(
         "(never chosen). Repeatable.",
     ),
 ) -> None:
-    """Rebuild curve.csv, curve.json, curve.png and report.html from a stored study."""
+    """Rebuild curve.csv, curve.json, the two plots and report.html from a stored study."""
     from controller.report.files import write_report
     from controller.tune_study import report_from_study
 

@@ -171,7 +171,7 @@ class CurveReport:
         """When most trials could not reach a verdict for lack of requests, what to do."""
         ins = [
             t
-            for t in self.trials
+            for t in self.searched
             if "insufficient" in (t.ttft_verdict, t.tpot_verdict)
             and "violated"
             not in (
@@ -179,12 +179,12 @@ class CurveReport:
                 t.tpot_verdict,
             )
         ]
-        if not self.trials or len(ins) * 2 < len(self.trials):
+        if not self.searched or len(ins) * 2 < len(self.searched):
             return ""
         most = max(t.completed for t in ins)
         need = math.ceil(math.log(1 - 0.95) / math.log(self.slo.quantile))
         return (
-            f"{len(ins)} of {len(self.trials)} windows were too small to judge a "
+            f"{len(ins)} of {len(self.searched)} windows were too small to judge a "
             f"p{self.slo.quantile * 100:g} (at most {most} requests; a verdict at 95% "
             f"confidence needs at least {need} with none over the SLO): lengthen the window "
             "(--max-window), shorten the requests (--output-tokens) or add capacity."

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from controller.report.batch_plot import batch_png
 from controller.report.curve import CurveReport
 from controller.report.html import render_html
 from controller.report.plot import plot_png
@@ -19,7 +20,7 @@ from controller.report.records import TrialRecord
 
 log = logging.getLogger(__name__)
 
-FILES = ("curve.csv", "curve.json", "curve.png", "report.html")
+FILES = ("curve.csv", "curve.json", "curve.png", "curve_by_batch.png", "report.html")
 # The tuner's predicted p99 TPOT as the report resolves it (recorded, else its model curve).
 CSV_COLUMNS = [
     f.name for f in fields(TrialRecord) if f.name not in ("evidence", "predicted_tpot_s")
@@ -44,7 +45,8 @@ def write_csv(report: CurveReport, path: Path) -> None:
 
 
 def write_report(report: CurveReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write the four files into ``out_dir`` (created); returns their paths by name."""
+    """Write the report's files (:data:`FILES`) into ``out_dir`` (created); returns their
+    paths by name."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in FILES}
@@ -52,7 +54,13 @@ def write_report(report: CurveReport, out_dir: str | Path) -> dict[str, Path]:
     paths["curve.json"].write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n")
     png = plot_png(report)
     paths["curve.png"].write_bytes(png)
-    html = render_html(report, png_b64=base64.b64encode(png).decode("ascii"))
+    by_batch = batch_png(report)
+    paths["curve_by_batch.png"].write_bytes(by_batch)
+    html = render_html(
+        report,
+        png_b64=base64.b64encode(png).decode("ascii"),
+        batch_png_b64=base64.b64encode(by_batch).decode("ascii"),
+    )
     paths["report.html"].write_text(html, encoding="utf-8")
     log.info("report written to %s", out)
     return paths

@@ -75,19 +75,20 @@ def explain(report: CurveReport) -> list[str]:
             f"The p99 TPOT SLO of {slo.tpot_p99_s * 1e3:.0f} ms cuts the predicted curve at "
             f"batch {cut.batch} ({cut.tokens_per_s:.0f} tokens/s predicted)."
         )
-    feasible = [t for t in report.trials if t.feasible]
+    feasible = [t for t in report.searched if t.feasible]
     if feasible:
         big = max(feasible, key=lambda t: t.max_batch_size)
         lines.append(
             f"Measured, the largest batch limit that met both p99 SLOs (TTFT "
             f"{slo.ttft_p99_s * 1e3:.0f} ms, TPOT {slo.tpot_p99_s * 1e3:.0f} ms) was "
-            f"{big.max_batch_size} ({len(feasible)} of {len(report.trials)} trials met them)."
+            f"{big.max_batch_size} ({len(feasible)} of {len(report.searched)} search trials met"
+            " them)."
         )
     c = report.chosen
     if c is None:
         lines.append(
             f"No configuration tried met both SLOs with enough samples to say so "
-            f"({len(report.trials)} trials). Do not ship: relax the SLO, add capacity, or "
+            f"({len(report.searched)} trials). Do not ship: relax the SLO, add capacity, or "
             "look at the table below for the closest miss."
         )
         if report.sample_hint():
@@ -147,6 +148,7 @@ def _row(report: CurveReport, t: TrialRecord, chosen: TrialRecord | None) -> str
     cls = "chosen" if t is chosen else ("ok" if t.feasible else "no")
     cells = [
         str(t.number),
+        t.role,
         str(t.max_batch_size),
         str(t.max_concurrency),
         _f(t.tokens_per_s, ".0f"),
@@ -173,16 +175,70 @@ def _pairs(items: Mapping[str, Any]) -> str:
     )
 
 
-def render_html(report: CurveReport, *, png_b64: str) -> str:
+def curve_sentences(report: CurveReport) -> list[str]:
+    """What the measured curve says against the predicted one, in plain sentences."""
+    from controller.report.measured import measured_curve, measured_knee, measured_slo_cut
+
+    canary = measured_curve(report.trials, report.slo)
+    sweep = [t for t in report.trials if t.role == "sweep"]
+    prod = [t for t in report.trials if t.role == "production"]
+    lines = []
+    if canary:
+        lo, hi = canary[0].batch, canary[-1].batch
+        lines.append(
+            f"Measured at {len(canary)} batches from B={lo} to B={hi}"
+            + (
+                f" ({len(sweep)} of the windows were the curve sweep after the search,"
+                f" {sum(t.wall_s for t in sweep if math.isfinite(t.wall_s)):.0f} s)"
+                if sweep
+                else " (the search's trials only: give --curve-points N for a sweep)"
+            )
+            + ". Error bars are 95% intervals from each point's request count."
+        )
+    knee = measured_knee(canary)
+    if knee is not None:
+        pred = f" (the roofline's: B≈{report.knee_batch})" if report.knee_batch else ""
+        lines.append(
+            f"Measured, tokens/s reaches half its ceiling at B≈{knee:.0f}{pred}, where each"
+            " sequence's share of a step equals the fixed cost of reading the weights: below"
+            " it more sequences come almost free, above it tokens/s flattens while TPOT grows."
+        )
+    elif canary:
+        lines.append("The measurements do not locate a knee (fewer than three batches, or flat).")
+    cut, why = measured_slo_cut(canary, report.slo)
+    predicted = report.slo_cut_predicted()
+    pred_cut = f"; the roofline predicted B={predicted.batch}" if predicted else ""
+    if cut is not None:
+        lines.append(f"The measured p99 TPOT crosses the SLO at B≈{cut:.0f}{pred_cut}.")
+    elif canary:
+        lines.append(f"Where the SLO cuts the measured curve is not known: {why}{pred_cut}.")
+    if prod:
+        lines.append(
+            f"{len(prod)} production windows (slotune control's audit log) are drawn as open "
+            "squares at the batch production ran; they are passive observations, never used "
+            "to choose the operating point."
+        )
+    return lines
+
+
+def render_html(report: CurveReport, *, png_b64: str, batch_png_b64: str = "") -> str:
     slo = report.slo
     chosen = report.chosen
     heads = (
-        "trial,batch,conc.,tok/s,goodput req/s,p50 TTFT ms,p99 TTFT ms,p50 TPOT ms,"
+        "trial,measured for,batch,conc.,tok/s,goodput req/s,p50 TTFT ms,p99 TTFT ms,p50 TPOT ms,"
         "p99 TPOT ms,predicted p99 TPOT ms,verdicts TTFT/TPOT,samples,of roofline,"
         "client p99 TPOT ms,wall s"
     ).split(",")
     head = "".join(f"<th>{h}</th>" for h in heads) + '<th class="l">note</th>'
     rows = "\n".join(_row(report, t, chosen) for t in report.trials)
+    by_batch = ""
+    if batch_png_b64:
+        said = "".join(f"<p>{html.escape(s)}</p>" for s in curve_sentences(report))
+        by_batch = (
+            f'<h2>The curve by batch</h2>{said}<img alt="tokens/s and p99 TPOT against batch:'
+            f' measured with error bars, roofline prediction, knees, SLO cut"'
+            f' src="data:image/png;base64,{batch_png_b64}">'
+        )
     why = "".join(f"<p>{html.escape(s)}</p>" for s in explain(report))
     hw = _pairs(report.hardware_detail)
     meta = _pairs(report.meta)
@@ -203,11 +259,12 @@ def render_html(report: CurveReport, *, png_b64: str) -> str:
 <h1>slotune: {who}</h1>
 <p class="sub">SLO: p{slo.quantile * 100:g} TTFT ≤ {slo.ttft_p99_s * 1e3:g} ms,
 p{slo.quantile * 100:g} TPOT ≤ {slo.tpot_p99_s * 1e3:g} ms · price {price} ·
-{len(report.trials)} trials · {html.escape(report.stop_reason)}</p>
+{len(report.searched)} trials · {html.escape(report.stop_reason)}</p>
 <div class="{box}"><h2 style="margin-top:.2em">{title}</h2>{why}</div>
 <h2>Throughput against latency</h2>
 <img alt="tokens/s against p99 TPOT: measured trials, roofline prediction, SLO line, chosen point"
  src="data:image/png;base64,{png_b64}">
+{by_batch}
 <h2>Trials</h2>
 <table><thead><tr>{head}</tr></thead><tbody>
 {rows}

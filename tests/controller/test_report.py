@@ -132,7 +132,7 @@ def test_roofline_fraction_interpolates_the_predicted_curve() -> None:
 def test_files_written_with_the_keys_the_issue_lists(tmp_path: Path) -> None:
     paths = write_report(sample_report(), tmp_path / "out")
     assert sorted(p.name for p in paths.values()) == sorted(
-        ["curve.csv", "curve.json", "curve.png", "report.html"]
+        ["curve.csv", "curve.json", "curve.png", "curve_by_batch.png", "report.html"]
     )
     d = json.loads(paths["curve.json"].read_text())
     assert {"slo", "operating_point", "trials", "predicted"} <= set(d)

@@ -37,13 +37,21 @@ def test_cumulative_increases_become_per_bucket_counts_and_agree_with_binning() 
     assert from_cumulative(cum) == bin_samples(x, BOUNDS)
     # an extrapolated increase rounds; a bucket that fell below the one before counts none
     assert from_cumulative({0.01: 2.4, 0.02: 1.0, math.inf: 5.2}) == ((0.01, 2), (math.inf, 3))
+    # the empty bucket below the first request is kept: the lowest a request can be
+    assert from_cumulative({0.01: 0, 0.02: 0, 0.05: 3, math.inf: 3}) == ((0.02, 0), (0.05, 3))
+    assert bin_samples([0.03, 0.04], BOUNDS) == ((0.02, 0), (0.05, 2))
 
 
 def test_pool_adds_windows_and_attrs_round_trip_through_json() -> None:
     a = ((0.01, 2), (math.inf, 1))
-    b = ((0.01, 1), (0.05, 4))
+    b = ((0.005, 0), (0.01, 1), (0.05, 4))
     p = pool([a, b])
-    assert p == ((0.01, 3), (0.05, 4), (math.inf, 1)) and total(p) == 8
+    assert p == ((0.005, 0), (0.01, 3), (0.05, 4), (math.inf, 1)) and total(p) == 8
+    assert pool([((0.02, 0), (0.05, 1)), ((0.01, 0), (0.02, 1))]) == (
+        (0.01, 0),
+        (0.02, 1),
+        (0.05, 1),
+    )
     assert from_attr(to_attr(p)) == p and to_attr(p)[-1] == [None, 1]
 
 
@@ -85,3 +93,20 @@ def test_quantile_interval_holds_the_samples_quantile() -> None:
     assert all(math.isnan(v) for v in quantile_interval((), 0.99))
     lo, hi = quantile_interval(((0.01, 5),), 0.99)  # five requests: no upper bound on a p99
     assert hi == math.inf
+    # a tight window: the p99's lower bound is the edge below its lowest request, not 0
+    lo, hi = quantile_interval(((0.02, 0), (0.025, 400)), 0.99)
+    assert (lo, hi) == (0.02, 0.025)
+
+
+def test_poisson_interval_is_garwoods_and_covers() -> None:
+    from metrics.samples import poisson_interval
+
+    assert poisson_interval(0) == (0.0, pytest.approx(3.689, rel=1e-3))  # the classic 0-count
+    lo, hi = poisson_interval(100)
+    assert lo == pytest.approx(81.36, rel=1e-3) and hi == pytest.approx(121.63, rel=1e-3)
+    rng = np.random.default_rng(4)
+    k = rng.poisson(40.0, 2000)
+    cover = np.mean([(lambda b: b[0] <= 40.0 <= b[1])(poisson_interval(int(x))) for x in k])
+    assert cover >= 0.95  # exact: at least the stated confidence
+    with pytest.raises(ValueError, match="k=-1"):
+        poisson_interval(-1)

@@ -307,6 +307,8 @@ def _plain_observation(timings, *, slo, confidence):
         # each request in the first bucket whose bound is >= it (Prometheus's le)
         bounds = sorted({*layout, threshold})
         counts = Counter(bisect.bisect_left(bounds, v) for v in x)
+        if counts and min(counts) > 0:  # the empty bucket below the lowest request
+            counts[min(counts) - 1] = 0
         return tuple(((bounds + [math.inf])[i], n) for i, n in sorted(counts.items()))
 
     q = slo.quantile
