@@ -81,6 +81,8 @@ def _merge_production(report: CurveReport, logs: list[Path]) -> CurveReport:
             got = production_records(path, slo=report.slo, first_number=first)
         except OSError as e:
             raise file_error("--control-log", path, e, "read") from None
+        except ValueError as e:  # a line that is not an audit line: file, line and why
+            raise BadInput(f"--control-log {e}") from None
         trials += got.records
         typer.echo(got.summary())
     return report.with_trials(trials)

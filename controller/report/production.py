@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from controller.errors import BadInput
 from controller.report.records import TrialRecord, ms_of
 from metrics.observation import Slo, Verdict
 from search.space import Knobs
@@ -73,7 +72,7 @@ class _Line:
         self.row: dict[str, Any] = row
 
     def fail(self, what: str) -> NoReturn:
-        raise BadInput(f"--control-log {self.where}: {what}; {_EXPECTED}")
+        raise ValueError(f"{self.where}: {what}; {_EXPECTED}")
 
     def get(self, d: Mapping[str, Any], key: str, kind: str, in_: str = "") -> Any:
         """``d[key]``, checked to be ``kind``: "number" (finite), "count" (an integer >= 0),
@@ -132,7 +131,7 @@ _KINDS = {
 
 def production_records(path: str | Path, *, slo: Slo, first_number: int) -> ProductionWindows:
     """The windows of the audit log at ``path`` as production trial records, numbered from
-    ``first_number`` in the log's order. :class:`~controller.errors.BadInput` naming the
+    ``first_number`` in the log's order. ValueError naming the
     file and line for a line that is not an audit line (bad JSON, a missing or mistyped
     field); OSError when the file cannot be read."""
     p = Path(path)
@@ -148,10 +147,10 @@ def production_records(path: str | Path, *, slo: Slo, first_number: int) -> Prod
                 row = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
                 why = f"not UTF-8 text (byte {e.start + 1})"
-                raise BadInput(f"--control-log {p} line {i}: {why}; {_EXPECTED}") from None
+                raise ValueError(f"{p} line {i}: {why}; {_EXPECTED}") from None
             except json.JSONDecodeError as e:
                 why = f"not JSON ({e.msg} at column {e.colno})"
-                raise BadInput(f"--control-log {p} line {i}: {why}; {_EXPECTED}") from None
+                raise ValueError(f"{p} line {i}: {why}; {_EXPECTED}") from None
             line = _Line(p, i, row)
             rec, why = _record(line, slo, first_number + len(records))
             if rec is None:
