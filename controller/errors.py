@@ -15,6 +15,15 @@ class NoFeasiblePoint(RuntimeError):
     gate fails)."""
 
 
+class Worse(RuntimeError):
+    """``slotune compare``: run B's operating point is worse than run A's beyond noise (exit
+    code 5, so that a pipeline can gate a rollout on it)."""
+
+
+class NotComparable(RuntimeError):
+    """``slotune compare``: neither run has an operating point to compare (exit code 6)."""
+
+
 class Undecided(RuntimeError):
     """No configuration was shown to meet the SLO, yet some were not shown to violate it
     either (exit code 4: no verdict; the message names the best candidate, its evidence

@@ -12,8 +12,18 @@ import sys
 
 import typer
 
-from controller.cli import calibrate, control, export, observe, roofline, serve, simulate, tune
-from controller.errors import BadInput, NoFeasiblePoint, Undecided
+from controller.cli import (
+    calibrate,
+    compare,
+    control,
+    export,
+    observe,
+    roofline,
+    serve,
+    simulate,
+    tune,
+)
+from controller.errors import BadInput, NoFeasiblePoint, NotComparable, Undecided, Worse
 
 app = typer.Typer(
     name="slotune",
@@ -35,7 +45,7 @@ def _root(
 
 
 # One module per command, registered in the order `slotune --help` lists them.
-for command in (roofline, calibrate, tune, control, export, serve, observe, simulate):
+for command in (roofline, calibrate, tune, control, export, compare, serve, observe, simulate):
     command.register(app)
 
 
@@ -66,6 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     except Undecided as e:
         print(f"slotune: undecided: {e}", file=sys.stderr)
         sys.exit(4)
+    except Worse as e:
+        print(f"slotune: B is worse: {e}", file=sys.stderr)
+        sys.exit(5)
+    except NotComparable as e:
+        print(f"slotune: not comparable: {e}", file=sys.stderr)
+        sys.exit(6)
     # typer.Exit(n) comes back as n outside standalone mode; a command's own return, None
     sys.exit(code if isinstance(code, int) else 0)
 

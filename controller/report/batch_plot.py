@@ -5,11 +5,11 @@ measured and predicted knees and where the SLO cuts each. One drawing for a run'
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from controller.report.figure import new_figure, to_png
 from controller.report.measured import (
     MeasuredPoint,
     Pooled,
@@ -124,12 +124,23 @@ def draw_run(
                     ha="right",
                     color=color,
                 )
-    return {"knee": knee, "cut": cut}
+    tok = [p.pooled.tokens_interval()[1] for p in canary + prod]
+    tok_max = max((x for x in tok if math.isfinite(x)), default=math.nan)
+    return {"knee": knee, "cut": cut, "tokens_max": tok_max}
 
 
-def finish_axes(ax_tok: Any, ax_tpot: Any, slo_tpot_s: float) -> None:
+def finish_axes(
+    ax_tok: Any, ax_tpot: Any, slo_tpot_s: float, *, tokens_max: float = math.nan
+) -> None:
+    """Labels, scales and legends; the tokens/s axis ends a little above the highest
+    measurement (``tokens_max``), so a roofline far above the measured curve runs off the
+    top instead of flattening it."""
     ax_tpot.axhline(
-        slo_tpot_s * 1e3, color="#d73027", lw=1.2, label=f"p99 TPOT SLO {slo_tpot_s * 1e3:g} ms"
+        slo_tpot_s * 1e3,
+        color="black",
+        ls="--",
+        lw=1.2,
+        label=f"p99 TPOT SLO {slo_tpot_s * 1e3:g} ms",
     )
     for ax in (ax_tok, ax_tpot):
         ax.set_xscale("log", base=2)
@@ -137,31 +148,29 @@ def finish_axes(ax_tok: Any, ax_tpot: Any, slo_tpot_s: float) -> None:
         ax.grid(alpha=0.3, which="both")
     ax_tok.set_ylabel("output tokens/s")
     ax_tpot.set_ylabel("p99 TPOT (ms)")
-    ax_tok.set_ylim(bottom=0)
+    if math.isfinite(tokens_max) and tokens_max > 0:
+        ax_tok.set_ylim(0, tokens_max * 1.6)
+    else:
+        ax_tok.set_ylim(bottom=0)
     ax_tpot.set_ylim(bottom=0)
     ax_tok.legend(loc="upper left", fontsize=7, framealpha=0.85)
     ax_tpot.legend(loc="upper left", fontsize=7, framealpha=0.85)
 
 
+def batch_figure(report: CurveReport) -> Any:
+    """The figure of ``curve_by_batch.png`` (the caller closes it: :func:`to_png`)."""
+    fig, (ax_tok, ax_tpot) = new_figure(ncols=2, figsize=(11, 4.6), dpi=110)
+    got = draw_run(ax_tok, ax_tpot, report, color="#1b7837")
+    finish_axes(ax_tok, ax_tpot, report.slo.tpot_p99_s, tokens_max=got["tokens_max"])
+    fig.suptitle(
+        f"{report.model or 'model'} on {report.hardware or 'device'}: the curve by batch"
+        " (error bars: 95% from each point's request count)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
 def batch_png(report: CurveReport) -> bytes:
     """``curve_by_batch.png`` of one run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_tok, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.6), dpi=110)
-    try:
-        draw_run(ax_tok, ax_tpot, report, color="#1b7837")
-        finish_axes(ax_tok, ax_tpot, report.slo.tpot_p99_s)
-        fig.suptitle(
-            f"{report.model or 'model'} on {report.hardware or 'device'}: the curve by batch"
-            " (error bars: 95% from each point's request count)",
-            fontsize=10,
-        )
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+    return to_png(batch_figure(report))

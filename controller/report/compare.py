@@ -271,8 +271,9 @@ def compare(
             )
     if not reasons:
         reasons.append(
-            f"no test rejected at {level:.3g} each (goodput {b.goodput_rps:.3g} against "
-            f"{a.goodput_rps:.3g} req/s)"
+            f"goodput {b.goodput_rps:.3g} req/s against {a.goodput_rps:.3g}: not shown below"
+            f" {1 - margin:.0%} of A's (p={tests[0].p_value:.2g}, needs < {level:.3g})"
+            + ("" if same_knobs else "; latencies at other knobs do not judge")
         )
     worse = g or (same_knobs and (tpot or ttft))
     return Comparison(

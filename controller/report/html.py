@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from controller.report.records import TrialRecord
 
 
-_CSS = """
+CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
 max-width:1100px;color:#222;padding:0 1em}
 h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.6em}
@@ -254,7 +254,7 @@ def render_html(report: CurveReport, *, png_b64: str, batch_png_b64: str = "") -
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>slotune report: {html.escape(report.model)} on {html.escape(report.hardware)}</title>
-<style>{_CSS}</style></head>
+<style>{CSS}</style></head>
 <body>
 <h1>slotune: {who}</h1>
 <p class="sub">SLO: p{slo.quantile * 100:g} TTFT ≤ {slo.ttft_p99_s * 1e3:g} ms,
