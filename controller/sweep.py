@@ -12,14 +12,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from controller.report.records import TrialRecord
+from controller.targets import WindowPlan
 from search.space import Knobs, SearchSpace
 
 # How far past the largest batch within the SLO the sweep looks, as multiples of it.
 PAST_CUT = (1.3, 1.7)
+# The embedded default's sweep: four batches from 1 to the cut and two past it.
+DEMO_CURVE_POINTS = 6
+# A sweep window is a fixed-size measurement, not a verdict: until this many requests (a
+# p99 with a finite 95% upper bound needs about 300), at most SWEEP_MAX_WINDOW_S.
+SWEEP_MIN_REQUESTS = 300
+SWEEP_MAX_WINDOW_S = 30.0
+
+
+def sweep_plan(plan: WindowPlan) -> WindowPlan:
+    """The search's window plan made into the sweep's: the same warm-up, then a whole
+    window of at least ``plan.window_s``, until :data:`SWEEP_MIN_REQUESTS` requests or
+    :data:`SWEEP_MAX_WINDOW_S` (a slow batch-1 point draws with a wider error bar rather
+    than holding the run for minutes)."""
+    window = min(plan.window_s, SWEEP_MAX_WINDOW_S)
+    return replace(
+        plan,
+        sequential=False,
+        window_s=window,
+        min_requests=SWEEP_MIN_REQUESTS,
+        max_window_s=max(window, min(plan.max_window_s, SWEEP_MAX_WINDOW_S)),
+    )
 
 
 def sweep_knobs(

@@ -35,6 +35,7 @@ from controller.cli.paths import output_dir, study_storage
 from controller.errors import BadInput, NoFeasiblePoint, Undecided
 from controller.report.cost import cost_sentence
 from controller.report.undecided import undecided_summary
+from controller.sweep import DEMO_CURVE_POINTS, sweep_plan
 from controller.tune_plan import DEFAULT_MAX_BATCH, DEFAULT_MAX_SLOTS, MODELS
 from controller.tune_setup import SetupFailed, prepare
 from metrics.observation import DEFAULT_SLO
@@ -228,6 +229,14 @@ def tune(
         rich_help_panel=SEARCH,
     ),
     seed: int = typer.Option(0, "--seed", help="Sampler and load seed.", rich_help_panel=SEARCH),
+    curve_points: int = typer.Option(
+        None,
+        "--curve-points",
+        help="After the search, measure N more batches, log-spaced from 1 to the largest"
+        f" within the SLO and past it, for the report's curve (default {DEMO_CURVE_POINTS} for"
+        " the embedded default, else 0).",
+        rich_help_panel=SEARCH,
+    ),
     out: Path = typer.Option(
         None, "--out", help="Default ./slotune-out/<timestamp>/.", rich_help_panel=OUT
     ),
@@ -300,6 +309,8 @@ def tune(
     flags.at_least("--tp", tp, 1)
     flags.at_least("--max-batch", max_batch, 1)
     flags.seed("--seed", seed)
+    if curve_points is not None:
+        flags.at_least("--curve-points", curve_points, 0)
     if not (math.isfinite(warmup_s) and warmup_s >= 0):
         raise BadInput(f"--warmup {warmup_s!r}: must be a number of seconds >= 0")
     _positive("--window", window_s)
@@ -318,7 +329,12 @@ def tune(
     tune_backend.check_hardware(hardware)
     try:
         limits = TuneLimits(
-            max_trials=max_trials, time_budget_s=time_budget, budget_requests=budget_requests
+            max_trials=max_trials,
+            time_budget_s=time_budget,
+            budget_requests=budget_requests,
+            curve_points=(DEMO_CURVE_POINTS if embedded else 0)
+            if curve_points is None
+            else curve_points,
         )
         plan = WindowPlan(
             warmup_s=warmup_s,
@@ -440,8 +456,22 @@ def tune(
             },
         )
         progress = Progress() if quiet else RichProgress(slo)
+        sweep_target = RayServeTarget(
+            url=setup.url,
+            slo=slo,
+            reader=setup.reader,
+            actuator=setup.actuator,
+            plan=sweep_plan(plan),
+            shape=shape,
+        )
         outcome = run_tune(
-            target=target, tuner=tuner, base=base, limits=limits, out_dir=out_dir, progress=progress
+            target=target,
+            tuner=tuner,
+            base=base,
+            limits=limits,
+            out_dir=out_dir,
+            progress=progress,
+            sweep_target=sweep_target,
         )
     finally:
         if setup is not None and setup.started_ray:
@@ -477,6 +507,8 @@ def _finish(outcome: TuneOutcome, out_dir: Path, quiet: bool) -> None:
             "cost: "
             + cost_sentence(rep.usd_per_hour, op["tokens_per_s"], str(rep.meta.get("price", "")))
         )
+    if sweep := outcome.report.meta.get("curve_sweep"):
+        lines.append(f"curve sweep: {sweep}")
     lines.append(outcome.final_note)
     for line in lines:  # the result, even with --quiet (which silences only the progress)
         typer.echo(line, err=op is None)
@@ -488,13 +520,13 @@ def _finish(outcome: TuneOutcome, out_dir: Path, quiet: bool) -> None:
         raise typer.Exit(1)
     if op is None and (cand := outcome.report.undecided()) is not None:
         raise Undecided(
-            f"{len(outcome.report.trials)} trials; {undecided_summary(cand, outcome.report.slo)}."
+            f"{len(outcome.report.searched)} trials; {undecided_summary(cand, outcome.report.slo)}."
             f" See {out_dir / 'report.html'}"
         )
     if op is None:
         hint = outcome.report.sample_hint()
         raise NoFeasiblePoint(
-            f"{len(outcome.report.trials)} trials, none met both SLOs with confidence"
+            f"{len(outcome.report.searched)} trials, none met both SLOs with confidence"
             + (f"; {hint}" if hint else "")
             + f" See {out_dir / 'report.html'}"
         )
