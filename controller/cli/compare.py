@@ -15,9 +15,9 @@ from controller.report.compare import ALPHA, EFFECT, MARGIN
 
 
 def _run(flag: str, path: Path) -> object:
-    from controller.report.compare import load_run
+    from controller.report.compare import load_run, run_file
 
-    f = path / "curve.json" if path.is_dir() else path
+    f = run_file(path)
     if not f.is_file():
         raise BadInput(
             f"{flag} {path}: no exported run there (give the folder slotune tune or export "

@@ -49,11 +49,15 @@ MARGIN = 0.10
 EFFECT = 0.56
 
 
+def run_file(path: str | Path) -> Path:
+    """The ``curve.json`` of an exported run given as its folder or as the file itself."""
+    p = Path(path)
+    return p / "curve.json" if p.is_dir() else p
+
+
 def load_run(path: str | Path) -> CurveReport:
     """An exported run: its folder (holding ``curve.json``) or the ``curve.json`` itself."""
-    p = Path(path)
-    f = p / "curve.json" if p.is_dir() else p
-    return CurveReport.from_dict(json.loads(f.read_text(encoding="utf-8")))
+    return CurveReport.from_dict(json.loads(run_file(path).read_text(encoding="utf-8")))
 
 
 def _interval(x: float, lo: float, hi: float) -> dict[str, float]:

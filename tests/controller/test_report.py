@@ -6,10 +6,7 @@ import base64
 import csv
 import json
 import math
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,7 @@ from controller.report.files import write_report
 from controller.report.plot import plot_png
 from controller.report.records import PredictedPoint, TrialRecord
 from metrics.observation import Observation, Percentiles, Slo, SloVerdict, Verdict
+from tests.fixtures.screenshot import chromium, screenshot
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
 
@@ -233,34 +231,11 @@ def test_plot_without_prediction_or_trials_still_renders() -> None:
     assert plot_png(r)[:4] == b"\x89PNG"
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (scripts/system-deps.sh)")
+@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (scripts/system-deps.sh)")
 def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
-    import matplotlib.image as mpimg
-
     paths = write_report(sample_report(), tmp_path / "r")
-    shot = tmp_path / "shot.png"
-    cmd = [
-        _chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--hide-scrollbars",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        f"--screenshot={shot}",
-        "--window-size=1200,1600",
-        paths["report.html"].as_uri(),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert shot.exists(), (
-        f"chromium made no screenshot (rc={proc.returncode}): {proc.stderr[-800:]}"
-    )
-    img = mpimg.imread(shot)  # [H, W, 3|4] floats in [0, 1]
+    img = screenshot(paths["report.html"], tmp_path / "report.png", height=1600)
     assert img.shape[0] == 1600 and img.shape[1] == 1200
     rgb = img[..., :3]
     non_white = (rgb.sum(axis=-1) < 2.9).mean()
@@ -268,9 +243,6 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     # The plot's green "meets SLO" markers, rendered by the browser from the embedded PNG.
     green = (rgb[..., 1] > 0.5) & (rgb[..., 0] < 0.3) & (rgb[..., 2] < 0.45)
     assert green.sum() > 50
-    keep = os.environ.get("SLOTUNE_KEEP_SCREENSHOT")
-    if keep:
-        shutil.copy(shot, keep)
 
 
 def test_windows_too_small_for_a_verdict_say_what_to_do(tmp_path: Path) -> None:

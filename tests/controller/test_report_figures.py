@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import optuna
 import pytest
 
 from controller.report.batch_plot import batch_figure
 from controller.report.compare import compare
-from controller.report.compare_html import compare_figure
+from controller.report.compare_html import compare_figure, write_compare
 from controller.report.curve import CurveReport
 from controller.report.figure import to_png
+from controller.report.files import write_report
 from controller.report.plot import curve_figure
 from controller.sim.scenarios import SCENARIOS
 from controller.tune_simulated import slowed, tune_simulated
 from tests.fixtures.figure_checks import readability_problems
+from tests.fixtures.screenshot import chromium, colour_share, screenshot
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -85,3 +88,24 @@ def test_the_checker_sees_an_overlap(runs) -> None:
         to_png(fig)
     assert any("overlaps" in p and "one label" in p for p in problems)
     assert any("'tiny' is 4 pt" in p for p in problems)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (scripts/system-deps.sh)")
+def test_reports_render_in_headless_chromium(runs, tmp_path: Path) -> None:
+    """report.html (with the sweep and production windows) and compare.html as a browser
+    draws them: PNGs that read back as images, with both pictures and the verdict on them."""
+    a, b = runs
+    paths = write_report(with_production(a), tmp_path / "report")
+    html = paths["report.html"].read_text()
+    assert "The curve by batch" in html and "production windows" in html
+    img = screenshot(paths["report.html"], tmp_path / "report.png", height=2400)
+    assert img.shape[:2] == (2400, 1200)
+    assert colour_share(img, (0x1B / 255, 0x78 / 255, 0x37 / 255)) > 2e-4  # the measured curve
+    c = compare(a, b, labels=("v1", "v2"))
+    cpaths = write_compare(c, ("v1", "v2"), tmp_path / "compare")
+    img = screenshot(cpaths["compare.html"], tmp_path / "compare.png", height=1600)
+    assert img.shape[:2] == (1600, 1200)
+    for rgb in ((0x21, 0x66, 0xAC), (0xB2, 0x18, 0x2B)):  # A's and B's series
+        assert colour_share(img, tuple(x / 255 for x in rgb)) > 2e-4
+    assert colour_share(img, (0xD7 / 255, 0x30 / 255, 0x27 / 255), tol=0.08) > 1e-4  # "worse" box
