@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,14 +21,9 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 SCENARIO = SCENARIOS["h100x4-70b"]
 
 
-def _quiet() -> None:
-    logging.getLogger("controller").setLevel(logging.ERROR)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Exported runs: A, a rerun of A's version, and a version 30% slower per step."""
-    _quiet()
     d = tmp_path_factory.mktemp("runs")
     for name, sc, seed in (
         ("a", SCENARIO, 0),
@@ -123,7 +117,6 @@ def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, args, needle) -> N
 def test_slower_version_flagged_and_rerun_not_in_9_of_10_seeds(tmp_path: Path) -> None:
     """The issue's proof: +30% step time is flagged worse, a rerun of the same version is
     not, in at least 9 of 10 seeds each (each run the whole canary loop and export)."""
-    _quiet()
     flagged_slow = flagged_rerun = 0
     for s in range(10):
         d = tmp_path / str(s)

@@ -4,7 +4,6 @@ comparison of two runs (simulated canary runs, the whole loop and export)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +27,6 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[CurveReport, CurveReport]:
-    logging.getLogger("controller").setLevel(logging.ERROR)
     d = tmp_path_factory.mktemp("runs")
     sc = SCENARIOS["h100x4-70b"]
     a = tune_simulated(sc, seed=0, out_dir=d / "a", usd_per_hour=12.0, curve_points=6).report

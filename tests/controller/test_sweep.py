@@ -3,7 +3,6 @@ rebuilt by export, and never the operating point."""
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +62,6 @@ def test_sweep_windows_are_fixed_size() -> None:
 
 
 def test_a_run_with_a_sweep_keeps_it_apart_and_export_rebuilds_it(tmp_path: Path) -> None:
-    logging.getLogger("controller").setLevel(logging.ERROR)
     sc = SCENARIOS["h100x4-70b"]
     out = tune_simulated(sc, seed=3, out_dir=tmp_path / "run", max_trials=12, curve_points=5)
     report = out.report
