@@ -79,6 +79,8 @@ def test_tune_finds_a_point_live_without_restarts(tiny_app, tmp_path: Path, caps
         "4",
         "--max-slots",
         "32",
+        "--curve-points",
+        "3",
         "--out",
         str(out),
         "--quiet",
@@ -90,18 +92,24 @@ def test_tune_finds_a_point_live_without_restarts(tiny_app, tmp_path: Path, caps
     op = d["operating_point"]
     assert op is not None and op["verdict"] == "met"
     trials = d["trials"]
-    assert 1 <= len(trials) <= 4
+    searched = [t for t in trials if t["role"] == "search"]
+    assert 1 <= len(searched) <= 4
+    # the curve sweep: B=1, the largest measured within the SLO, one past it
+    sweep = [t for t in trials if t["role"] == "sweep"]
+    assert len(sweep) == 3 and sweep[0]["max_batch_size"] == 1
+    assert "curve sweep: 3 windows at B=1" in stdout
+    assert all(t["evidence"]["tpot_hist"] for t in trials)  # the server's histogram, kept
     assert len((out / "trials.jsonl").read_text().splitlines()) == len(trials)
     for t in trials:
         assert t["completed"] > 0 and t["tokens_per_s"] > 0
         # the load generator's cross-check saw the same window
         assert t["client_completed"] > 0 and t["client_p99_tpot_ms"] is not None
-    # Knobs changed live: same replica processes, now on the chosen point.
+    # Knobs changed live: same replica processes, back on the chosen point after the sweep.
     after = _states()
     assert sorted(s.pid for s in after) == pids
     assert all(s.max_batch_size == op["max_batch_size"] for s in after)
     assert all(s.max_ongoing_requests == op["max_concurrency"] for s in after)
-    for name in ("curve.csv", "curve.png", "report.html"):
+    for name in ("curve.csv", "curve.png", "curve_by_batch.png", "report.html"):
         assert (out / name).stat().st_size > 0
     # `slotune export` rebuilds the same curve from the stored study.
     code, _, err = _cli(
