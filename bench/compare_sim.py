@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,16 +27,7 @@ import optuna
 from controller.report.compare import compare
 from controller.sim.scenarios import SCENARIOS
 from controller.tune_simulated import slowed, tune_simulated
-
-
-def cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from search.calibrate.device import cpu_model_name
 
 
 def main() -> None:
@@ -100,7 +90,7 @@ def main() -> None:
     out = {
         "bench": "compare_sim",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "cpu": cpu(),
+        "cpu": cpu_model_name(),
         "slowdown": args.slowdown,
         "wall_s": round(time.time() - t0, 1),
         "summary": summary,
