@@ -117,7 +117,8 @@ def _on_curve(curve: tuple[tuple[int, float], ...], b: int) -> float:
 
 def policy_from_curve(report: dict[str, Any], *, slo: Slo, **kw: Any) -> Policy:
     """A policy bounded by a canary's ``curve.json`` (``slotune tune --out``): the batch
-    never above the largest batch the canary measured, the admission limit at the
+    never above the largest batch the canary measured (its search and its sweep;
+    production windows an export merged in are left out), the admission limit at the
     operating point's headroom, and the p99 TPOT the canary measured per batch (the median
     of its windows) as the curve loosening is predicted on. ValueError when the report has
     no operating point or no measured TPOT."""
@@ -129,6 +130,8 @@ def policy_from_curve(report: dict[str, Any], *, slo: Slo, **kw: Any) -> Policy:
     per: dict[int, list[float]] = {}
     largest = b0
     for t in report.get("trials") or []:
+        if t.get("role") == "production":  # merged by export: what production ran, not a bound
+            continue
         b, ms = t.get("max_batch_size"), t.get("p99_tpot_ms")
         if not isinstance(b, int) or b < 1:
             continue

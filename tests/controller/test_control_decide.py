@@ -414,3 +414,23 @@ def test_drift_pauses_every_tick_until_acked_then_adopts_the_live_knobs() -> Non
 def test_a_bad_policy_is_one_line_naming_the_value(kw, msg) -> None:
     with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
         Policy(**{"slo": SLO, "batch_max": 64, **kw})
+
+
+def test_a_curve_bounds_the_policy_by_the_canarys_windows_not_productions() -> None:
+    from controller.control.policy import policy_from_curve
+
+    def t(b: int, ms: float, role: str) -> dict:
+        return {"max_batch_size": b, "p99_tpot_ms": ms, "role": role}
+
+    report = {
+        "operating_point": {"max_batch_size": 16, "max_concurrency": 32},
+        "trials": [
+            t(16, 40.0, "search"),
+            t(24, 55.0, "sweep"),
+            t(200, 900.0, "production"),
+            t(16, 44.0, "production"),
+        ],
+    }
+    p = policy_from_curve(report, slo=SLO)
+    assert p.batch_max == 24 and p.headroom == 2.0
+    assert p.curve == ((16, 0.04), (24, 0.055))
