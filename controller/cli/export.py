@@ -52,7 +52,7 @@ def export(
         raise file_error("STUDY", study, e, "read") from None
     except (ValueError, KeyError) as e:
         raise BadInput(f"STUDY {study}: {e}") from None
-    study_trials = len(report.trials)  # the exit code is the study's, whatever is merged
+    study_trials = len(report.searched)  # the exit code is the search's, whatever is merged
     if control_log:
         report = _merge_production(report, control_log)
     if price_per_hour is not None:
