@@ -68,9 +68,11 @@ def compare(
         if d[side] is not None:
             typer.echo(describe_point(d[side]))
     for t in d["tests"]:
+        stat = "–" if t["statistic"] is None else f"{t['statistic']:.3f}"
+        p = "–" if t["p_value"] is None else f"{t['p_value']:.2g}"
         typer.echo(
-            f"  {t['name']}: statistic {t['statistic']:.3f}, p={t['p_value']:.2g}"
-            f"{' (rejected)' if t['rejected'] else ''}"
+            f"  {t['name']}: statistic {stat}, p={p}{' (rejected)' if t['rejected'] else ''}"
+            f"; {t['detail']}"
         )
     typer.echo(f"{c.verdict()}: {'; '.join(c.reasons)}")
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -127,3 +127,24 @@ def test_slower_version_flagged_and_rerun_not_in_9_of_10_seeds(tmp_path: Path) -
         flagged_rerun += compare(a, r).worse
         flagged_slow += compare(a, b).worse
     assert flagged_slow >= 9 and flagged_rerun <= 1, (flagged_slow, flagged_rerun)
+
+
+def test_runs_exported_without_latency_histograms_are_judged_on_goodput(runs, tmp_path) -> None:
+    """Runs exported before windows kept their histograms: no latency test can judge, the
+    goodput test still does, and the command says so instead of failing."""
+    for name in ("a", "slow"):
+        r = load_run(runs[name])
+        old = [
+            replace(t, evidence={k: v for k, v in t.evidence.items() if "hist" not in k})
+            for t in r.trials
+        ]
+        write_report(r.with_trials(old), tmp_path / name)
+    c = compare(load_run(tmp_path / "a"), load_run(tmp_path / "slow"))
+    assert c.worse and [t.name for t in c.tests if t.rejected(c.level)] == ["goodput"]
+    assert "no latency distribution stored" in c.tests[1].detail
+    assert (
+        run_cli(
+            "compare", str(tmp_path / "a"), str(tmp_path / "slow"), "--out", str(tmp_path / "o")
+        )
+        == 5
+    )
