@@ -72,7 +72,8 @@ def tune_simulated(
     usd_per_hour: float | None = None,
     curve_points: int = 0,
 ) -> TuneOutcome:
-    """One canary run on ``scenario``'s simulated fleet, exported into ``out_dir``."""
+    """One canary run on ``scenario``'s simulated fleet (the roofline-seeded tuner, its
+    study in ``out_dir``), exported into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sim = SimTarget(scenario, seed=seed)
     tuner = Tuner(
@@ -85,6 +86,28 @@ def tune_simulated(
         seed=seed,
         stop_rule=StopRule(max_trials=max_trials),
     )
+    return run_simulated(
+        sim,
+        tuner,
+        out_dir=out_dir,
+        max_trials=max_trials,
+        usd_per_hour=usd_per_hour,
+        curve_points=curve_points,
+    )
+
+
+def run_simulated(
+    sim: SimTarget,
+    tuner: Tuner,
+    *,
+    out_dir: Path,
+    max_trials: int,
+    usd_per_hour: float | None = None,
+    curve_points: int = 0,
+) -> TuneOutcome:
+    """The canary loop with ``tuner`` on the simulated fleet ``sim``, exported into
+    ``out_dir`` (``slotune simulate --out``)."""
+    scenario = sim.scenario
     curve = sim.analysis.curve
     base = CurveReport(
         slo=sim.slo,
@@ -95,7 +118,7 @@ def tune_simulated(
         usd_per_hour=usd_per_hour,
         knee_batch=sim.analysis.knee_batch,
         predicted_batch=sim.seed_batch,
-        meta={"target": f"simulated {scenario.name}", "seed": seed},
+        meta={"target": f"simulated {scenario.name}", "seed": sim.seed},
     )
     limits = TuneLimits(
         max_trials=max_trials, time_budget_s=1e9, retry_wait_s=0.0, curve_points=curve_points

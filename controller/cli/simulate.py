@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from controller.cli import flags
-from controller.cli.paths import study_storage
+from controller.cli.paths import output_dir, study_storage
 from controller.errors import BadInput, NoFeasiblePoint
 from controller.sim.scenarios import (
     HELD_OUT_SCENARIOS,
@@ -83,6 +83,18 @@ def simulate_cmd(
     ),
     study_name: str = typer.Option(None, "--study-name", help="Study name (default: scenario)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object, not the table."),
+    out: Path = typer.Option(
+        None,
+        "--out",
+        help="Run the whole canary loop and export its report here (curve.json, plots,"
+        " report.html: what `slotune compare` reads), its study in OUT/study.journal.",
+    ),
+    price_per_hour: float = typer.Option(
+        None, "--price-per-hour", help="With --out: USD per device-hour, for $/Mtok."
+    ),
+    curve_points: int = typer.Option(
+        0, "--curve-points", help="With --out: the curve sweep's batches after the search."
+    ),
 ) -> None:
     """Tune a simulated fleet: print the measured curve and the chosen point."""
     import optuna
@@ -94,6 +106,13 @@ def simulate_cmd(
     for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
         if ms is not None:
             flags.positive_ms(flag, ms)
+    flags.at_least("--curve-points", curve_points, 0)
+    flags.price("--price-per-hour", price_per_hour)
+    if out is None and (price_per_hour is not None or curve_points):
+        raise BadInput("--price-per-hour and --curve-points go with --out (the exported run)")
+    if out is not None:
+        out = output_dir("--out", out)
+        study = study or str(out / "study.journal")
     if study is not None:
         study_storage("--study", study, must_exist=False)
     if served is not None and scenario != LOCAL:
@@ -143,16 +162,31 @@ def simulate_cmd(
         raise BadInput(str(e)) from None
 
     d = target.describe()
-    while not tuner.should_stop():
-        knobs = tuner.propose()
-        tuner.report(knobs, target.measure(knobs))
+    if out is not None:  # the canary loop itself, its report exported
+        from controller.tune_simulated import run_simulated
+
+        outcome = run_simulated(
+            target,
+            tuner,
+            out_dir=out,
+            max_trials=max_trials,
+            usd_per_hour=price_per_hour,
+            curve_points=curve_points,
+        )
+        reason: str | None = outcome.stop_reason
+    else:
+        while not tuner.should_stop():
+            knobs = tuner.propose()
+            tuner.report(knobs, target.measure(knobs))
+        reason = tuner.stop_reason()
     records = tuner.trials()
-    reason = tuner.stop_reason()
     best = tuner.best() or tuner.best(confirmed=False)
     if as_json:
         typer.echo(json.dumps(_result(d, records, reason, best), indent=2, default=str))
     else:
         _print_table(target, d, records, reason, best)
+    if out is not None:
+        typer.echo(f"report: {out / 'report.html'}")
     if best is None:
         raise NoFeasiblePoint(
             f"no knob met p99 TTFT <= {target.slo.ttft_p99_s:g}s and TPOT <="

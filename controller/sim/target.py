@@ -127,6 +127,11 @@ class SimTarget:
         # step_time plus its vectorised decode_run (the simulator's fast path, same bits).
         self._runs = DecodeRunStepTime(self)
 
+    @property
+    def seed(self) -> int:
+        """The simulator's seed: windows are drawn from it in sequence."""
+        return self._seed
+
     # -- the two step times ------------------------------------------------------------
 
     def model_tpot_s(self, batch: int) -> float:

@@ -148,3 +148,19 @@ def test_runs_exported_without_latency_histograms_are_judged_on_goodput(runs, tm
         )
         == 5
     )
+
+
+def test_simulate_out_exports_runs_that_compare_reads(tmp_path: Path, capsys) -> None:
+    """From the README: two devices simulated and exported, then compared."""
+    a, b = tmp_path / "h100", tmp_path / "a100"
+    base = ["simulate", "--scenario", "h100x4-70b", "--curve-points", "4"]
+    assert run_cli(*base, "--out", str(a), "--price-per-hour", "12") == 0
+    assert run_cli(*base, "--hardware", "a100-80gb", "--out", str(b)) == 0
+    out = capsys.readouterr().out
+    assert f"report: {a / 'report.html'}" in out
+    d = json.loads((a / "curve.json").read_text())
+    assert sum(t["role"] == "sweep" for t in d["trials"]) == 4 and d["usd_per_hour"] == 12
+    assert (a / "study.journal").is_file() and (a / "curve_by_batch.png").is_file()
+    assert run_cli("compare", str(a), str(b), "--out", str(tmp_path / "c")) == 5
+    assert run_cli("simulate", "--curve-points", "3") == 2
+    assert "go with --out" in capsys.readouterr().err
