@@ -118,6 +118,17 @@ def test_tune_finds_a_point_live_without_restarts(tiny_app, tmp_path: Path, caps
     assert code == 0, err
     again = json.loads((tmp_path / "x" / "curve.json").read_text())
     assert again == d
+    # `slotune compare` reads the server's histograms of both: a run against its own export
+    # is not worse (B/A goodput 1, P(B slower) one half)
+    code, stdout, err = _cli(
+        ["compare", str(out), str(tmp_path / "x"), "--out", str(tmp_path / "c")], capsys
+    )
+    assert code == 0, err
+    c = json.loads((tmp_path / "c" / "compare.json").read_text())
+    tests = {t["name"]: t for t in c["tests"]}
+    assert tests["goodput"]["statistic"] == 1.0
+    assert tests["TPOT"]["statistic"] == pytest.approx(0.5)
+    assert c["a"]["tpot_requests"] > 0
 
 
 def test_metrics_endpoint_down_stops_cleanly(tiny_app, tmp_path: Path, capsys) -> None:
