@@ -303,7 +303,9 @@ def _sweep(
     jsonl: Path,
 ) -> str:
     """Measure the curve sweep's windows (controller/sweep.py) into ``records``; what it
-    did, in words, for the report ("" when no sweep was asked for)."""
+    did, in words, for the report ("" when no sweep was asked for). A fault during the
+    sweep ends the sweep, not the run: the search's result stands, and the words say how
+    far the sweep got."""
     if not limits.curve_points or base.with_trials(records).chosen is None:
         return "" if not limits.curve_points else "not run: no operating point to draw around"
     knobs_list, why = sweep_knobs(
@@ -316,8 +318,16 @@ def _sweep(
     for i, knobs in enumerate(knobs_list):
         progress.message(f"curve sweep {i + 1}/{len(knobs_list)}: {knobs}")
         t1 = clock()
-        target.apply(knobs)
-        m, faults = _measure_clean(target, knobs, None, limits, progress, sleep)
+        try:
+            target.apply(knobs)
+            m, faults = _measure_clean(target, knobs, None, limits, progress, sleep)
+        except (TargetUnavailable, TargetError) as e:
+            log.warning("curve sweep stopped at %s: %s", knobs, e)
+            progress.message(f"[yellow]curve sweep stopped[/]: {e}")
+            return (
+                f"stopped after {i} of {len(knobs_list)} windows, at {knobs}: {e}"
+                f" ({clock() - t0:.0f} s)"
+            )
         rec = TrialRecord.from_observation(
             number=first + i,
             knobs=knobs,

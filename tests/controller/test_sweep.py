@@ -83,3 +83,56 @@ def test_a_run_with_a_sweep_keeps_it_apart_and_export_rebuilds_it(tmp_path: Path
     assert all(
         t.evidence and t.evidence["tpot_hist"] for t in rebuilt.trials if t.completed
     ) and not math.isnan(rebuilt.trials[-1].tokens_per_s)
+
+
+def test_a_fault_during_the_sweep_ends_the_sweep_not_the_run(tmp_path: Path) -> None:
+    """The search has found its point; a target whose metrics fail at the third sweep
+    window leaves two sweep windows, the search's result and a note: the run is not
+    aborted (a failed sweep never fails the canary gate)."""
+    from controller.report.curve import CurveReport
+    from controller.sim.target import SimTarget
+    from controller.target_errors import TargetUnavailable
+    from controller.tune import TuneLimits, run_tune
+    from controller.tune_simulated import SimulatedDeployment
+    from search.stop_rule import StopRule
+    from search.tuner import Tuner
+
+    class FailsInTheSweep(SimulatedDeployment):
+        swept = 0  # sweep windows measured
+
+        def measure(self, knobs: Knobs):
+            if self.swept or knobs == Knobs(max_batch_size=1, max_concurrency=1):
+                self.swept += 1  # the sweep begins at B=1; the search never goes there
+                if self.swept == 3:
+                    raise TargetUnavailable("metrics endpoint down")
+            return super().measure(knobs)
+
+    sc = SCENARIOS["h100x4-70b"]
+    sim = SimTarget(sc, seed=3)
+    tuner = Tuner(
+        space=sim.space,
+        slo=sim.slo,
+        storage=str(tmp_path / "study.journal"),
+        study_name="sweep-fault",
+        seed_knobs=sim.seed_knobs(),
+        model_tpot_s=sim.model_tpot_s,
+        seed=3,
+        stop_rule=StopRule(max_trials=12),
+    )
+    limits = TuneLimits(
+        max_trials=12, time_budget_s=1e9, retry_wait_s=0.0, retries=0, curve_points=5
+    )
+    out = run_tune(
+        target=FailsInTheSweep(sim),
+        tuner=tuner,
+        base=CurveReport(slo=sim.slo, trials=()),
+        limits=limits,
+        out_dir=tmp_path / "run",
+        sleep=lambda s: None,
+    )
+    assert not out.aborted and out.report.chosen is not None
+    assert out.report.chosen.role == "search"
+    assert [t.max_batch_size for t in out.report.trials if t.role == "sweep"][0] == 1
+    assert sum(t.role == "sweep" for t in out.report.trials) == 2
+    note = out.report.meta["curve_sweep"]
+    assert note.startswith("stopped after 2 of 5 windows") and "metrics endpoint down" in note
