@@ -4,15 +4,18 @@ Runs the simulator's ``local`` scenario (this machine's calibration and served-s
 the canary's default workload and SLO: controller/sim/served.py) and then ``slotune tune``
 with its demo defaults (bounded by ``--time-budget``), and prints the predicted and the
 found operating point (batch, goodput) and their ratios; the target is within 20% in
-both. Needs a served calibration (``slotune calibrate --served``) unless ``--served``; the
-live run measures one first if none is cached. ``--calibrate`` measures it afresh first, so
+both. The simulator runs ``--sim-seeds`` times and predicts the median of its choices (one
+seed's choice on the goodput plateau is partly its own noise, as one live run's is); the
+live canary runs without its curve sweep (``--curve-points 0``), which does not choose.
+Needs a served calibration (``slotune calibrate --served``) unless ``--served``; the live
+run measures one first if none is cached. ``--calibrate`` measures it afresh first, so
 that the simulator and the live canary see the machine in the same state (a calibration
 taken beside another job, hours before, makes the simulator slower than the canary it is
 compared with). The machine's load average is printed before and after (live figures on
 shared cores move with it).
 
     .venv/bin/python bench/sim_fidelity.py [--calibrate | --served PATH] [--time-budget 240]
-        [--out DIR]
+        [--sim-seeds 8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,8 +43,8 @@ def cpu() -> str:
     return "unknown"
 
 
-def simulate(served: str | None) -> dict:
-    cmd = [*SLOTUNE, "simulate", "-s", "local", "--json"]
+def simulate(served: str | None, seed: int) -> dict:
+    cmd = [*SLOTUNE, "simulate", "-s", "local", "--json", "--seed", str(seed)]
     if served:
         cmd += ["--served", served]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -60,6 +64,7 @@ def calibrate() -> None:
 
 def live(time_budget: float, out_dir: Path) -> dict:
     cmd = [*SLOTUNE, "tune", "--quiet", "--out", str(out_dir), "--time-budget", str(time_budget)]
+    cmd += ["--curve-points", "0"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if out.returncode not in (0, 3):
         raise SystemExit(f"slotune tune failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -97,6 +102,12 @@ def main() -> None:
     )
     ap.add_argument("--time-budget", type=float, default=240.0, help="slotune tune's budget")
     ap.add_argument("--out", help="where the live run's report goes (default: a new temp dir)")
+    ap.add_argument(
+        "--sim-seeds",
+        type=int,
+        default=8,
+        help="simulator seeds; the prediction is their median batch and goodput",
+    )
     args = ap.parse_args()
     if args.calibrate and args.served:
         raise SystemExit(
@@ -106,14 +117,21 @@ def main() -> None:
     load_before = os.getloadavg()
     if args.calibrate:
         calibrate()
+    if args.sim_seeds < 1:
+        raise SystemExit(f"--sim-seeds {args.sim_seeds}: need at least 1")
     t0 = time.monotonic()
-    sim = simulate(args.served)
+    sims = [simulate(args.served, seed) for seed in range(args.sim_seeds)]
     t_sim = time.monotonic() - t0
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="slotune-fidelity-"))
     t1 = time.monotonic()
     rep = live(args.time_budget, out_dir)
     t_live = time.monotonic() - t1
-    chosen = sim.get("chosen") or {}
+    # Each seed's choice: (batch, concurrency, goodput); the prediction is the median.
+    picks = [
+        (c["max_batch_size"], c["max_concurrency"], c["goodput_rps"])
+        for c in (sim.get("chosen") for sim in sims)
+        if c
+    ]
     op = rep.get("operating_point") or {}
     row = {
         "cpu": cpu(),
@@ -122,11 +140,12 @@ def main() -> None:
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "served_calibration": served_calibration(),
-        "sim_seed_batch_roofline": sim.get("seed_batch"),
+        "sim_seed_batch_roofline": sims[0].get("seed_batch"),
         "live_seed_batch": rep.get("predicted_batch"),
-        "sim_batch": chosen.get("max_batch_size"),
+        "sim_picks": picks,
+        "sim_batch": statistics.median(b for b, _, _ in picks) if picks else None,
         "live_batch": op.get("max_batch_size"),
-        "sim_goodput_rps": chosen.get("goodput_rps"),
+        "sim_goodput_rps": statistics.median(g for _, _, g in picks) if picks else None,
         "live_goodput_rps": op.get("goodput_rps"),
         "sim_s": round(t_sim, 1),
         "live_s": round(t_live, 1),
@@ -143,7 +162,12 @@ def main() -> None:
             f"{t.get('goodput_rps', float('nan')):.2f} {t.get('p99_tpot_ms', float('nan')):.1f} "
             f"{t.get('p99_ttft_ms', float('nan')):.0f} {t.get('feasible')}"
         )
-    print(f"{'':>10} {'batch':>6} {'goodput req/s':>14}")
+    print(
+        f"simulator, {len(sims)} seeds (B, C, goodput req/s): "
+        + ", ".join(f"{b} {c} {g:.2f}" for b, c, g in picks)
+        + f" ({len(sims) - len(picks)} with no point)"
+    )
+    print(f"{'':>10} {'batch':>6} {'goodput req/s':>14}  (sim: the seeds' medians)")
     for who in ("sim", "live"):
         g = row[f"{who}_goodput_rps"]
         print(f"{who:>10} {row[f'{who}_batch']!s:>6} {'-' if g is None else f'{g:.2f}':>14}")

@@ -89,6 +89,17 @@ class PointSummary:
         return met > 0 and 2 * met >= self.measurements
 
 
+# The incumbent: among the declared points within this fraction of the best pooled goodput,
+# the largest batch (0: the best pooled goodput itself). Under a saturating load a larger
+# feasible batch has at least the goodput, so a point of less goodput within a window's
+# noise is the noise: on this CPU the served tokens/s levels off from B~13 to the TPOT
+# edge at B~19, two windows at one knob differed by up to 7%, and the canary's best pooled
+# goodput fell anywhere in B=12-19 from run to run (docs/BENCHMARKS.md, issue 19). The
+# largest such batch is where the SLO cuts the curve: the operating point slotune is
+# asked for.
+LARGER_BATCH_WITHIN = 0.05
+
+
 @dataclass(frozen=True, kw_only=True)
 class StopRule:
     # One window suffices: the pooled verdicts are anytime-valid (search.evidence), so a
@@ -98,11 +109,7 @@ class StopRule:
     min_improvement: float = 0.02
     bracket_ratio: float = 1.15
     max_trials: int = 40
-    # 0: the incumbent is the declared point with the best pooled goodput. > 0: among the
-    # declared points within this fraction of that goodput, the largest batch (under a
-    # saturating load a larger feasible batch has at least the goodput, and a few windows'
-    # goodput is noisier than the gap). Off by default: see incumbent().
-    larger_batch_within: float = 0.0
+    larger_batch_within: float = LARGER_BATCH_WITHIN  # see LARGER_BATCH_WITHIN
 
     def __post_init__(self) -> None:
         if self.confirmations < 1:
@@ -131,7 +138,10 @@ class StopRule:
 
 
 def incumbent(
-    points: Sequence[PointSummary], *, confirmations: int = 1, larger_batch_within: float = 0.0
+    points: Sequence[PointSummary],
+    *,
+    confirmations: int = 1,
+    larger_batch_within: float = LARGER_BATCH_WITHIN,
 ) -> PointSummary | None:
     """The point with the highest pooled goodput among those declared with ``confirmations``
     (see :meth:`PointSummary.declared`; ties: the earliest measured). With

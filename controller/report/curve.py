@@ -53,9 +53,10 @@ class CurveReport:
     @property
     def chosen(self) -> TrialRecord | None:
         """The operating point, by the tuner's own rule (one rule for both, so a run never
-        stops on a knob the report would not deploy): the knob with the most pooled goodput
-        among those *declared* — measured in at least ``confirmations`` windows whose SLO
-        verdicts, judged on the union of their requests, are both MET
+        stops on a knob the report would not deploy): among the knobs *declared* —
+        measured in at least ``confirmations`` windows whose SLO verdicts, judged on the
+        union of their requests, are both MET — the largest batch whose pooled goodput is
+        within ``search.stop_rule.LARGER_BATCH_WITHIN`` of the most
         (``search.stop_rule.incumbent``). When no knob is declared yet (the budget ran out
         first), the best knob whose pooled windows met the SLO, marked unconfirmed in
         :meth:`operating_point`. Never a knob whose pooled verdict is not MET. Its latest

@@ -145,7 +145,7 @@ def test_incumbent_needs_confirmations_and_feasibility() -> None:
     assert incumbent(pts, confirmations=2).knobs.max_batch_size == 8
 
 
-def test_incumbent_may_prefer_the_larger_batch_within_a_goodput_band() -> None:
+def test_incumbent_prefers_the_larger_batch_within_a_goodput_band() -> None:
     # Declared: B=31 at 29.5 rps, B=34 at 29.0 (noise: a larger feasible batch under a
     # saturating load has at least the goodput), B=20 at 22.0 (far below), B=40 undeclared.
     pts = [
@@ -154,7 +154,8 @@ def test_incumbent_may_prefer_the_larger_batch_within_a_goodput_band() -> None:
         p(20, g=22.0, first=4),
         p(40, g=31.0, n=1, first=6),
     ]
-    assert incumbent(pts, confirmations=2).knobs.max_batch_size == 31  # default: best goodput
+    assert incumbent(pts, confirmations=2).knobs.max_batch_size == 34  # default: the band
+    assert incumbent(pts, confirmations=2, larger_batch_within=0).knobs.max_batch_size == 31
     assert incumbent(pts, confirmations=2, larger_batch_within=0.05).knobs.max_batch_size == 34
     # Outside the band the best goodput still wins: 34 is 1.7% under 31, not within 1%.
     assert incumbent(pts, confirmations=2, larger_batch_within=0.01).knobs.max_batch_size == 31
@@ -186,10 +187,10 @@ def test_incumbent_may_prefer_the_larger_batch_within_a_goodput_band() -> None:
         best = tuner.best()
         return best[0] if best is not None else None
 
-    assert declared_best(StopRule()) == Knobs(max_batch_size=20, max_concurrency=20)
-    assert declared_best(StopRule(larger_batch_within=0.05)) == Knobs(
-        max_batch_size=22, max_concurrency=22
+    assert declared_best(StopRule(larger_batch_within=0)) == Knobs(
+        max_batch_size=20, max_concurrency=20
     )
+    assert declared_best(StopRule()) == Knobs(max_batch_size=22, max_concurrency=22)
 
 
 def test_stop_rule_presets_and_validation() -> None:
