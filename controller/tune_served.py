@@ -34,9 +34,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVED_BATCHES = (1, 4, 10, 16)
-# Short windows: a fit, not an SLO verdict (~10-12 s a batch, ~50 s for four; B=10 sits
-# between B=4 and B=16, where the SLO knee of the demo lies).
-SERVED_WINDOW = WindowPlan(warmup_s=2.0, window_s=6.0, max_window_s=10.0, min_requests=150)
+# Short windows: a fit, not an SLO verdict (~14-22 s a batch, ~70 s for four; B=10 sits
+# between B=4 and B=16, where the SLO knee of the demo lies). 300 requests a window: with
+# 150, two calibrations six minutes apart put B=16 at 157 and 217 tokens/s, and the
+# canary's own windows between them at 186-199 (2026-12-05, docs/BENCHMARKS.md).
+SERVED_WINDOW = WindowPlan(warmup_s=2.0, window_s=12.0, max_window_s=20.0, min_requests=300)
 
 
 def _point(batch: int, obs: Observation, client: Observation | None) -> ServedPoint | None:

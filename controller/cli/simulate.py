@@ -268,7 +268,12 @@ def _print_table(
     )
     typer.echo(
         f"SLO p99 TTFT {target.slo.ttft_p99_s:g}s, TPOT {target.slo.tpot_p99_s * 1e3:g}ms;"
-        f" load {d['rate_rps']} req/s; KV capacity {d['kv_capacity']} sequences;"
+        + (
+            f" load {d['rate_rps']} req/s;"
+            if d["rate_rps"] is not None
+            else " load: a closed loop, one client per admission slot;"
+        )
+        + f" KV capacity {d['kv_capacity']} sequences;"
         f" roofline operating point B={d['seed_batch']}"
     )
     typer.echo("")

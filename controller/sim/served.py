@@ -20,15 +20,24 @@ What the simulator departed on, measured (2026-12-04, AMD EPYC, 1 thread):
   stream, the load generator, on the engine's cores) hands a freed slot its next request
   late, and the served request rate levels off as B grows (10.6, 18.6, 22.8, 23.8 req/s at
   B = 1, 4, 10, 16) where a simulated engine with every slot refilled at once went on
-  to ~38 req/s.
+  to ~38 req/s. The decode batch that runs is the served tokens/s times the TPOT: 0.7, 2.2,
+  4.6 and 6.6 sequences at B = 1, 4, 10, 16 (2026-12-05), and 16 at B=29 with p50 TPOT
+  76 ms; so TPOT grows with the batch that runs, ~4.8 ms a sequence, and the knob's other
+  clients are on the serving path. An open load in front of the engine (the first fit)
+  kept the running batch level as the knob grew, so its p50 stayed flat past B=16 where
+  the live one doubled, and its p99 grew from bursts alone.
 
-So the fit goes through the simulator (:func:`fit_to_served`): the calibration's windows,
-simulated at its batches, with the decode step, the step noise and an open load at the
-serving path's request rate (no queue: a request finding every slot busy is turned away,
-so freed slots wait for the next arrival) adjusted until the simulated p50 TPOT, p99 spread
-and request rate meet the measured ones. :class:`~controller.sim.target.SimTarget` itself
-is unchanged; the tuner is told the served model (``slotune simulate -s local``), as
-``slotune tune`` is.
+So the fit goes through the simulator (:func:`fit_to_served`) with the canary's own load:
+a closed loop of one client per admission slot (:class:`~serving.sim.workload.ClosedLoop`),
+each client's next request reaching the front door a fixed gap after its last one
+finished, then the engine after a serving path that works on one request at a time (the
+clients beyond what the engine runs queue there, inside the TTFT's clock, as live). The
+calibration's windows are simulated at its batches, and the decode step (at the batch that
+ran), the step noise, the gap and the path's time per request are adjusted until the
+simulated p50 TPOT, p99 spread and request rates meet the measured ones; the p99 TTFT
+is not fitted, and the fit reports how close it came.
+:class:`~controller.sim.target.SimTarget` itself is unchanged; the tuner is told the
+served model (``slotune simulate -s local``), as ``slotune tune`` is.
 """
 
 from __future__ import annotations
@@ -41,19 +50,23 @@ from pathlib import Path
 
 from controller.sim.scenarios import Efficiency, Scenario
 from metrics.observation import DEFAULT_SLO, Slo
-from search.calibrate.served import ServedModel
+from search.calibrate.served import ServedModel, ServedPoint
 from search.roofline.curve import Roofline
 from search.roofline.hardware import HardwareSpec
-from serving.sim.workload import LengthDist, Workload
+from serving.sim.workload import ClosedLoop, LengthDist, Workload
 
 log = logging.getLogger(__name__)
 
 LOCAL = "local"
 P99_Z = 2.326  # standard normal quantile of 0.99
 OVERHEAD_GRID = 24  # overheads tried between 0 and the fastest measured step
-FIT_ROUNDS = 12  # simulate, correct, refit: at most this many times
-FIT_STEP = 0.5  # each correction goes this share of the way (in log)
-FIT_TOLERANCE = 0.03  # stop once every p50 and the mean p99/p50 are within 3%
+FIT_ROUNDS = 20  # simulate, correct, refit: at most this many times
+FIT_STEP = 0.5  # each correction goes this share of the way (in log) ...
+# ... of a miss taken as at most this factor either way: where the engine and the serving
+# path serve about as many requests a second, a slightly slower step moves the clients
+# from the path into the engine and the p50 leaps (x0.36 <-> x3.7 in turn, unbounded)
+FIT_MAX_RATIO = 1.3
+FIT_TOLERANCE = 0.03  # stop once every p50, the mean p99/p50 and the rates are within 3%
 FIT_SEED = 1  # the fit's windows are the same numbers every time
 FIT_WINDOW_S = 60.0  # simulated seconds a fit window lasts (p99 of ~500-1500 requests)
 CV_RANGE = (0.02, 0.9)
@@ -138,6 +151,11 @@ def served_noise_cv(served: ServedModel) -> float:
     return _clip_cv(math.log(max(r, 1.0)) / P99_Z * math.sqrt(steps))
 
 
+def _bounded(ratio: float) -> float:
+    """A simulated / measured ratio, as a correction takes it (:data:`FIT_MAX_RATIO`)."""
+    return min(FIT_MAX_RATIO, max(1 / FIT_MAX_RATIO, ratio))
+
+
 def _clip_cv(cv: float) -> float:
     return min(CV_RANGE[1], max(CV_RANGE[0], cv))
 
@@ -148,93 +166,113 @@ class ServedFit:
 
     efficiency: Efficiency
     step_noise_cv: float
-    load_factor: float  # of the scenario's rate: the serving path's request rate
-    rate_rps: float  # that rate (inf: none measured, the load stays far above capacity)
+    closed: ClosedLoop  # the canary's load, through the serving path fitted
     rounds: int
-    # batch -> simulated / measured: p50 TPOT, p99 TPOT, requests per second
-    ratios: Mapping[int, tuple[float, float, float]]
+    # batch -> simulated / measured: p50 TPOT, p99 TPOT, requests per second, p99 TTFT
+    ratios: Mapping[int, tuple[float, float, float, float]]
 
     def describe(self) -> str:
-        return "; ".join(
-            f"B={b}: p50 x{r50:.2f}, p99 x{r99:.2f}, req/s x{rr:.2f}"
-            for b, (r50, r99, rr) in self.ratios.items()
+        c = self.closed
+        return (
+            f"serving path {c.gap_s * 1e3:.0f} ms, then {c.path_s * 1e3:.1f} ms a request one"
+            " at a time; simulated at the measured batches: "
+            + "; ".join(
+                f"B={b}: p50 x{r50:.2f}, p99 x{r99:.2f}, req/s x{rr:.2f}, p99 TTFT x{rt:.2f}"
+                for b, (r50, r99, rr, rt) in self.ratios.items()
+            )
         )
+
+
+def _running(p: ServedPoint) -> float:
+    """The decode batch that ran in the point's window: tokens/s times the p50 TPOT (each
+    running sequence yields a token a step), within [1, B]; B where no rate was recorded."""
+    n = p.tokens_per_s * p.tpot_p50_s
+    return min(float(p.batch), max(1.0, n)) if math.isfinite(n) else float(p.batch)
 
 
 def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
     """Fit the simulator to the served calibration, through the simulator: simulate ``base``
-    (efficiency, noise and load replaced) at each measured batch, then correct the decode
-    step wanted at B by measured p50 / simulated p50 (and refit the efficiency to it), the
-    step noise by the measured mean log(p99/p50) over the simulated one (the upper half of
-    the measured batches: the SLO knee), and the request rate by the measured requests per
-    second at the largest batch over the simulated ones; until all are within
-    :data:`FIT_TOLERANCE`, at most :data:`FIT_ROUNDS` times (the best round is kept).
-    The load: an open one at the serving path's request rate (the module doc says why),
-    or, where the calibration recorded no rate, far above capacity. ValueError when no
-    efficiency <= 1 fits."""
+    (efficiency, noise and load replaced) at each measured batch under the canary's closed
+    loop, then correct the decode step wanted at the batch that ran (:func:`_running`) by
+    measured p50 / simulated p50 (and refit the efficiency to it), the step noise by the
+    measured mean log(p99/p50) over the simulated one (the upper half of the measured
+    batches: the SLO knee), the serving path's time per request by the request rate at
+    the largest batch (where the path holds the rate back) and its fixed gap by the cycle
+    of a client at the smallest; until all are within :data:`FIT_TOLERANCE`, at most
+    :data:`FIT_ROUNDS` times (the best round is kept). Without recorded rates (an old
+    calibration) there is no serving path (gap and path 0). ValueError when no efficiency
+    <= 1 fits."""
     from controller.sim.target import SimTarget
     from search.space import Knobs
 
     pts = {p.batch: p for p in served.points}
     top = max(pts)
-    want = {b: p.tpot_p50_s for b, p in pts.items()}
+    out = served.output_tokens
+    at = {b: max(1, round(_running(p))) for b, p in pts.items()}  # knob -> batch that ran
+    want: dict[int, float] = {}
+    for b in pts:  # the step at each batch that ran (the mean where two share one)
+        same = [q.tpot_p50_s for c, q in pts.items() if at[c] == at[b]]
+        want[at[b]] = sum(same) / len(same)
     upper = sorted(pts)[len(pts) // 2 :]  # where the SLO knee lies: the noise is fitted there
     spread = sum(math.log(pts[b].tpot_p99_s / pts[b].tpot_p50_s) for b in upper) / len(upper)
     cv = served_noise_cv(served)
-    unloaded = SimTarget(replace(base, load_factor=1.0))
-    roof, rate_1 = unloaded.roofline, unloaded.rate_rps  # rate_1: the rate at load_factor 1
-    top_rps = pts[top].tokens_per_s / served.output_tokens  # NaN where not recorded
-    rate = top_rps if math.isfinite(top_rps) and top_rps > 0 else math.inf
+    roof = SimTarget(base).roofline
+    rates = {b: p.tokens_per_s / out for b, p in pts.items()}
+    has_rate = all(math.isfinite(r) and r > 0 for r in rates.values())
+    lo = min(pts)
+    # First guesses: at the largest batch the path is the bottleneck (the served rate
+    # levels off there), each request costing it 1 / req/s; at the smallest, a client's
+    # cycle (1 / its req/s) less the request's decode and that path time is the gap.
+    path_s = 1 / rates[top] if has_rate else 0.0
+    gap = max(0.0, lo / rates[lo] - out * pts[lo].tpot_p50_s - path_s) if has_rate else 0.0
     best: tuple[float, ServedFit] | None = None
     for rnd in range(1, FIT_ROUNDS + 1):
         eff = fit_efficiency(want, roof)
-        load = 1.0 if math.isinf(rate) else rate / rate_1
+        closed = ClosedLoop(gap_s=gap, path_s=path_s)
         sc = replace(
             base,
             efficiency=eff,
             calibrated_efficiency=eff,
             step_noise_cv=cv,
-            load_factor=load,
+            workload=replace(base.workload, rate_rps=None, closed=closed),
             window_noise_cv=0.0,
             window_s=FIT_WINDOW_S,
             calibrated_window_s=FIT_WINDOW_S,
         )
         target = SimTarget(sc)
-        ratios: dict[int, tuple[float, float, float]] = {}
+        ratios: dict[int, tuple[float, float, float, float]] = {}
         sim_spread = 0.0
         for b, p in pts.items():
             k = Knobs(max_batch_size=b, max_concurrency=b)
             o = target.run(k, seed=FIT_SEED, whole=True).observation
             s50, s99 = o.tpot.p50, o.tpot.p99
             rr = o.tokens_per_s / p.tokens_per_s  # NaN where the window has no rate
-            ratios[b] = (s50 / p.tpot_p50_s, s99 / p.tpot_p99_s, rr)
+            rt = o.ttft.p99 / p.ttft_p99_s  # NaN where none was recorded
+            ratios[b] = (s50 / p.tpot_p50_s, s99 / p.tpot_p99_s, rr, rt)
             if b in upper:
                 sim_spread += math.log(s99 / s50) / len(upper)
-        fit = ServedFit(
-            efficiency=eff,
-            step_noise_cv=cv,
-            load_factor=load,
-            rate_rps=rate,
-            rounds=rnd,
-            ratios=ratios,
-        )
-        misses = [abs(r50 - 1) for r50, _, _ in ratios.values()]
+        fit = ServedFit(efficiency=eff, step_noise_cv=cv, closed=closed, rounds=rnd, ratios=ratios)
+        misses = [abs(r[0] - 1) for r in ratios.values()]
         misses.append(abs(math.exp(sim_spread - spread) - 1))
-        if math.isfinite(rate):
-            misses.append(abs(ratios[top][2] - 1))
+        if has_rate:
+            misses += [abs(ratios[b][2] - 1) for b in (lo, top)]
         miss = max(misses)
         log.debug("served fit round %d: miss %.3f, cv %.3f, %s", rnd, miss, cv, fit.describe())
         if best is None or miss < best[0]:
             best = (miss, fit)
         if miss <= FIT_TOLERANCE:
             break
-        # Half steps (in log): the rate and the step cost pull on each other (a faster
-        # step empties slots sooner, a higher rate fills them), full ones oscillate.
-        want = {b: w / ratios[b][0] ** FIT_STEP for b, w in want.items()}
+        # Half steps (in log for the step and the noise): each pulls on the others.
+        for b in pts:
+            want[at[b]] /= _bounded(ratios[b][0]) ** FIT_STEP
         if sim_spread > 0:
             cv = _clip_cv(cv * (spread / sim_spread) ** FIT_STEP)
-        if math.isfinite(rate):
-            rate /= ratios[top][2] ** FIT_STEP
+        if has_rate:
+            # the largest batch's rate is the path's (in log, half way); the smallest's
+            # cycle, the simulated one less the measured one, is the gap's miss
+            path_s *= _bounded(ratios[top][2]) ** FIT_STEP
+            miss_s = 1 / rates[lo] - 1 / (ratios[lo][2] * rates[lo])
+            gap = max(0.0, gap + FIT_STEP * lo * miss_s)
     assert best is not None
     return best[1]
 
@@ -255,7 +293,7 @@ def local_scenario(dep: LocalDeployment) -> Scenario:
             prompt=LengthDist(kind="fixed", mean=prompt, lo=1, hi=prompt),
             output=LengthDist(kind="fixed", mean=output, lo=1, hi=output),
         ),
-        load_factor=1.0,  # replaced by the fit's: the serving path's request rate
+        load_factor=1.0,  # unused: the load is the fit's closed loop
         max_len=dep.max_len,
         warmup_s=dep.warmup_s,
         window_s=dep.window_s,
@@ -268,9 +306,9 @@ def local_scenario(dep: LocalDeployment) -> Scenario:
         efficiency=fit.efficiency,
         calibrated_efficiency=fit.efficiency,
         step_noise_cv=fit.step_noise_cv,
-        load_factor=fit.load_factor,
+        workload=replace(base.workload, rate_rps=None, closed=fit.closed),
         description=f"this deployment: {s.model} served on {s.device} ({s.threads} thread(s)); "
         + s.describe()
-        + f"; served request rate {fit.rate_rps:.1f}/s; simulated at the measured batches: "
+        + "; the canary's closed loop, "
         + fit.describe(),
     )

@@ -14,6 +14,7 @@ the seed's batch is 1.5-3x the prediction in the built-in scenarios).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -107,8 +108,12 @@ class SimTarget:
         )
         out_mean = mean_tokens(sc.workload.output)
         predicted_rps = self.seed_batch / (self.model_tpot_s(self.seed_batch) * out_mean)
-        self.rate_rps = sc.load_factor * predicted_rps
-        self.workload = replace(sc.workload, rate_rps=self.rate_rps)
+        if sc.workload.closed is None:
+            self.rate_rps = sc.load_factor * predicted_rps
+            self.workload = replace(sc.workload, rate_rps=self.rate_rps)
+        else:  # a closed loop's rate is what its clients get (no rate is set)
+            self.rate_rps = math.nan
+            self.workload = sc.workload
         self.sim_config = SimConfig(
             max_slots=max(1, self.max_batch_memory),
             max_len=sc.max_len,
@@ -238,7 +243,8 @@ class SimTarget:
             "tp": sc.tp,
             "slo_ttft_p99_s": self.slo.ttft_p99_s,
             "slo_tpot_p99_s": self.slo.tpot_p99_s,
-            "rate_rps": round(self.rate_rps, 3),
+            # an open load's arrival rate; None: a closed loop (its clients send as they finish)
+            "rate_rps": round(self.rate_rps, 3) if math.isfinite(self.rate_rps) else None,
             "kv_capacity": self.max_batch_memory,
             "search_batch_max": self.space.batch_max,
             "seed_batch": self.seed_batch,

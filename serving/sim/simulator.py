@@ -57,10 +57,31 @@ _MIN_VECTOR = 24
 # Arrivals turned away while full are passed over by a bisect among the next _NEAR first
 # (a step sees a dozen or so at a saturating load), then among all.
 _NEAR = 64
+# A closed loop's lengths are drawn in blocks of this many requests, as they are sent.
+_LENGTH_BLOCK = 1024
 
 
 def _lognormal_sigma(cv: float) -> float:
     return math.sqrt(math.log1p(cv * cv))
+
+
+def _through_path(door: list[float], path_s: float, free: float) -> list[float]:
+    """When requests reaching the front door at ``door`` (in time order) reach the engine
+    through a path that works ``path_s`` on one at a time, first free at ``free``."""
+    out = []
+    for d in door:
+        free = (d if d > free else free) + path_s
+        out.append(free)
+    return out
+
+
+def _lengths(
+    workload: Workload, rng: np.random.Generator, n: int, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` (prompt, output) lengths that fit a slot of ``max_len`` tokens."""
+    prompts, outputs = workload.lengths(rng, n)  # [n], [n]
+    prompts = np.minimum(prompts, max_len - 1)
+    return prompts, np.clip(outputs, 1, max_len - prompts)
 
 
 def _queue_or_reject(
@@ -157,12 +178,25 @@ def _simulate(
     cfg = config
     rng = np.random.default_rng(seed)
     end_s = cfg.warmup_s + cfg.window_s
-    arrivals = workload.arrivals(rng, end_s)  # [n]
-    prompts, outputs = workload.lengths(rng, len(arrivals))  # [n], [n]
-    room = cfg.max_len - 1
-    prompts = np.minimum(prompts, room)
-    outputs = np.clip(outputs, 1, cfg.max_len - prompts)
-    slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
+    closed = workload.closed
+    if closed is None:
+        arrivals = workload.arrivals(rng, end_s)  # [n]
+        prompts, outputs = _lengths(workload, rng, len(arrivals), cfg.max_len)  # [n], [n]
+        slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
+        gap = path_s = 0.0
+        door: list[float] = []
+    else:
+        # A closed loop (ClosedLoop): every client sends at the start, and again as soon as
+        # its request finishes; each request reaches the front door gap_s later and the
+        # engine after the path's one-at-a-time work (path_s each, first come first served).
+        # Requests finish in time order and the path serves them in that order, so their
+        # arrivals at the engine stay in time order as they are added.
+        slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
+        gap = closed.gap_s * slowdown  # a noisy neighbour slows the path too
+        path_s = closed.path_s * slowdown
+        door = [gap] * max_concurrency  # [C] at the front door
+        arrivals = np.asarray(_through_path(door, path_s, 0.0))  # [C] at the engine
+        prompts, outputs = _lengths(workload, rng, _LENGTH_BLOCK, cfg.max_len)  # [block] each
     sigma = _lognormal_sigma(cfg.step_noise_cv)
 
     sched = Scheduler(
@@ -184,6 +218,13 @@ def _simulate(
     arr = array.array("d")
     arr.frombytes(np.ascontiguousarray(arrivals, dtype=np.float64).tobytes())
     arr.append(math.inf)  # a sentinel: arr[i] <= t is False past the last arrival
+    # When each request reached the front door (its TTFT's start): the engine's arrival,
+    # or in a closed loop the part of the gap inside the TTFT's clock earlier.
+    sent = arr
+    path_free = 0.0  # a closed loop's path: when it is free again
+    if closed is not None:
+        sent = array.array("d", door)
+        path_free = arr[len(door) - 1]
     # Lengths are read per admission (at a saturating load most arrivals are turned away):
     # buffer copies, whose items are made when read.
     plen = array.array("q")
@@ -247,7 +288,7 @@ def _simulate(
                 j = bisect_right(arr, t, i, hi if hi < n else n)
                 if j > i:
                     for x in range(i, j):
-                        add(str(x), plen[x], olen[x], arr[x])
+                        add(str(x), plen[x], olen[x], sent[x])
                     in_flight += j - i
                     i = j
                 if arr[i] <= t:  # full: queue or turn away every arrival up to t (later)
@@ -310,12 +351,24 @@ def _simulate(
             in_flight -= len(done)
             if warmup_s <= t <= end_s:
                 keep(done)
+            if closed is not None:  # each client sends its next request
+                at_door = t + gap
+                for e in _through_path([at_door] * len(done), path_s, path_free):
+                    arr[n] = e
+                    arr.append(inf)
+                    sent.append(at_door)
+                    n += 1
+                path_free = arr[n - 1]
+                if n > len(plen):
+                    more_p, more_o = _lengths(workload, rng, _LENGTH_BLOCK, cfg.max_len)
+                    plen.frombytes(np.ascontiguousarray(more_p, dtype=np.int64).tobytes())
+                    olen.frombytes(np.ascontiguousarray(more_o, dtype=np.int64).tobytes())
             if queue_limit and arr[i] <= full_at:  # the queue as it was before this step
                 i, turned = _queue_or_reject(arr, i, full_at, queue, queue_limit, first_counted)
                 rejected += turned
             while queue and in_flight < limit:
                 j = queue.popleft()
-                add(str(j), plen[j], olen[j], arr[j])
+                add(str(j), plen[j], olen[j], sent[j])
                 in_flight += 1
     if arr[i] <= full_at:
         i, turned = _queue_or_reject(arr, i, full_at, queue, queue_limit, first_counted)

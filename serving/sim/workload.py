@@ -110,17 +110,46 @@ class LengthDist:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClosedLoop:
+    """A closed-loop load, as the canary's load generator drives a deployment: one client
+    per admission slot, each sending its next request as soon as its last one finished.
+    Between a request's last token and the next request of its client at the engine lies
+    the serving path: ``gap_s`` outside the TTFT's clock (the stream back, the client),
+    then the front door (where slotune's TTFT starts), then ``path_s`` of work per request
+    on a path that takes one request at a time, first come first served (Serve's proxy and
+    router, on the same cores as the engine): requests queue there when it is busy, and
+    that queueing is part of the TTFT, as it is live."""
+
+    gap_s: float = 0.0
+    path_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("gap_s", "path_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v!r}: must be a finite number of seconds >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """Open-loop load: Poisson at ``rate_rps``, or ``trace`` arrival offsets (seconds,
-    sorted) replayed cyclically when ``rate_rps`` is None."""
+    sorted) replayed cyclically when ``rate_rps`` is None; or, with ``closed`` (and neither
+    a rate nor a trace), a closed loop of one client per admission slot."""
 
     rate_rps: float | None = 10.0
     prompt: LengthDist = LengthDist.lognormal(mean=256, cv=0.5, lo=8, hi=2048)
     output: LengthDist = LengthDist.lognormal(mean=128, cv=0.5, lo=2, hi=1024)
     trace: tuple[float, ...] | None = None
+    closed: ClosedLoop | None = None
 
     def __post_init__(self) -> None:
-        if self.trace is None:
+        if self.closed is not None:
+            if self.rate_rps is not None or self.trace is not None:
+                raise ValueError(
+                    f"rate_rps={self.rate_rps!r}, trace given: {self.trace is not None}: a "
+                    "closed loop has neither (its clients send as their requests finish)"
+                )
+        elif self.trace is None:
             if self.rate_rps is None or not (math.isfinite(self.rate_rps) and self.rate_rps > 0):
                 raise ValueError(f"rate_rps={self.rate_rps!r}: must be > 0 (or give a trace)")
         else:
@@ -151,7 +180,9 @@ class Workload:
         return Workload(rate_rps=rate_rps, prompt=self.prompt, output=self.output)
 
     def arrivals(self, rng: np.random.Generator, until_s: float) -> np.ndarray:
-        """Sorted arrival times in [0, until_s)."""
+        """Sorted arrival times in [0, until_s) (an open load's: not for a closed loop)."""
+        if self.closed is not None:
+            raise ValueError("a closed loop has no arrival times drawn ahead (see ClosedLoop)")
         if self.trace is not None and self.rate_rps is None:
             period = self.trace[-1] + (self.trace[-1] - self.trace[0]) / (len(self.trace) - 1)
             base = np.asarray(self.trace, dtype=np.float64)  # [m]

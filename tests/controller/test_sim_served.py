@@ -19,6 +19,7 @@ from controller.sim.served import (
 from search.calibrate.served import ServedModel, ServedPoint
 from search.roofline.curve import Roofline
 from search.roofline.models import resolve_model
+from serving.sim.workload import ClosedLoop
 
 
 def _served(**point_kw: float) -> ServedModel:
@@ -74,19 +75,22 @@ def test_the_local_scenario_carries_the_canary_defaults(tmp_path) -> None:
     assert sc.workload.prompt.mean == 16 and sc.workload.output.mean == 8
     assert sc.slo.tpot_p99_s == pytest.approx(0.1) and sc.headroom_max == 2.0
     assert sc.efficiency == sc.calibrated_efficiency
-    assert sc.load_factor == 1.0  # no request rate measured: the load stays far above
+    # the canary's closed loop; no request rate measured: no serving path is fitted
+    assert sc.workload.closed == ClosedLoop(gap_s=0.0, path_s=0.0)
     assert "simulated at the measured batches" in sc.description
     with pytest.raises(ValueError, match="max_batch"):
         LocalDeployment(served=_served(), hardware_path=hw, max_batch=0)
 
 
-def _measured_by_the_simulator(hw: Path) -> tuple[ServedModel, float]:
+def _measured_by_the_simulator(hw: Path) -> tuple[ServedModel, ClosedLoop]:
     """A served calibration taken on a simulated deployment whose decode step, noise and
-    request rate are known (the truth the fit must find again), and that rate."""
+    serving path are known (the truth the fit must find again), under the canary's closed
+    loop, and that path."""
     from controller.sim.scenarios import Efficiency
     from controller.sim.target import SimTarget
     from search.space import Knobs
 
+    path = ClosedLoop(gap_s=0.02, path_s=0.04)  # the path lets 25 req/s through at most
     base = local_scenario(LocalDeployment(served=_served(), hardware_path=hw))
     true = replace(
         base,
@@ -94,10 +98,9 @@ def _measured_by_the_simulator(hw: Path) -> tuple[ServedModel, float]:
         calibrated_efficiency=None,
         step_noise_cv=0.3,
         window_noise_cv=0.0,
-        load_factor=1.0,
+        workload=replace(base.workload, closed=path),
     )
-    rate = 20.0  # req/s: the engine saturates near B=8 at this step cost
-    t = SimTarget(replace(true, load_factor=rate / SimTarget(true).rate_rps))
+    t = SimTarget(true)
     pts = []
     for b in (1, 4, 10, 16):
         r = t.run(Knobs(max_batch_size=b, max_concurrency=b), seed=11, whole=True)
@@ -107,25 +110,28 @@ def _measured_by_the_simulator(hw: Path) -> tuple[ServedModel, float]:
                 batch=b,
                 tpot_p50_s=o.tpot.p50,
                 tpot_p99_s=o.tpot.p99,
-                tokens_per_s=o.completed * 8 / r.sim_s,
+                ttft_p99_s=o.ttft.p99,
+                tokens_per_s=o.tokens_per_s,
             )
         )
     served = ServedModel.fit(
         pts, model="slotune-small", device="cpu-x", threads=1, prompt_tokens=16, output_tokens=8
     )
-    return served, rate
+    return served, path
 
 
 def test_the_fit_finds_a_simulated_deployment_again(tmp_path) -> None:
     hw = _hw(tmp_path)
-    served, rate = _measured_by_the_simulator(hw)
+    served, path = _measured_by_the_simulator(hw)
     base = local_scenario(LocalDeployment(served=_served(), hardware_path=hw))
     fit = fit_to_served(served, base)
-    for b, (r50, r99, rr) in fit.ratios.items():
+    for b, (r50, r99, rr, _) in fit.ratios.items():
         assert r50 == pytest.approx(1, abs=0.15), (b, fit.describe())
         assert r99 == pytest.approx(1, abs=0.35), (b, fit.describe())
         assert rr == pytest.approx(1, abs=0.2), (b, fit.describe())
-    assert fit.rate_rps == pytest.approx(rate, rel=0.25)
+    assert fit.closed.path_s == pytest.approx(path.path_s, rel=0.25), fit.describe()
+    # the path's queue is in the TTFT, as measured: not fitted, found again
+    assert fit.ratios[16][3] == pytest.approx(1, abs=0.35), fit.describe()
 
 
 def test_the_report_shows_the_predicted_tpot_of_every_trial(tmp_path) -> None:

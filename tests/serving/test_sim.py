@@ -9,7 +9,7 @@ from metrics.observation import Slo, Verdict
 from serving.scheduler.plan import StepPlan
 from serving.sim.result import SimConfig
 from serving.sim.simulator import simulate
-from serving.sim.workload import LengthDist, Workload
+from serving.sim.workload import ClosedLoop, LengthDist, Workload
 
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.05)
 FIXED = Workload(
@@ -381,3 +381,53 @@ def test_timings_are_built_when_read_and_compare_as_values() -> None:
     assert t[0].request_id.isdigit() and t[0].first_token_s >= t[0].arrival_s
     with pytest.raises(AttributeError):
         a.steps = 3  # type: ignore[misc]
+
+
+# -- the canary's closed loop (ClosedLoop) ------------------------------------------------
+
+
+def closed(gap_s: float = 0.0, path_s: float = 0.0) -> Workload:
+    return Workload(
+        rate_rps=None,
+        prompt=FIXED.prompt,
+        output=FIXED.output,
+        closed=ClosedLoop(gap_s=gap_s, path_s=path_s),
+    )
+
+
+def test_a_closed_loop_serves_its_clients_one_gap_apart() -> None:
+    # 10 ms steps: a request's 16 tokens take ~16-17 steps in the engine, then 40 ms on
+    # the way back and out again: each of the 8 clients cycles in ~0.2 s, ~40 req/s.
+    r = run(workload=closed(gap_s=0.04))
+    o = r.observation
+    assert o.rejected == 0  # one client per admission slot: none is ever turned away
+    assert 8 / (0.17 + 0.04) <= o.throughput_rps <= 8 / (0.16 + 0.04)
+    assert o.ttft.p99 <= 0.021  # the gap is outside the TTFT: one step and a wait for it
+    assert r.observation == run(workload=closed(gap_s=0.04)).observation  # deterministic
+
+
+def test_a_busy_serving_path_caps_the_rate_and_its_queue_is_in_the_ttft() -> None:
+    # The path works 50 ms on each request, one at a time: at most 20 req/s get through,
+    # whatever the engine could do (40 req/s above), and the clients queue at the path.
+    r8 = run(workload=closed(path_s=0.05)).observation
+    assert r8.rejected == 0
+    assert r8.throughput_rps == pytest.approx(20.0, rel=0.05)
+    r16 = run(workload=closed(path_s=0.05), max_batch_size=16, max_concurrency=16).observation
+    assert r16.throughput_rps == pytest.approx(20.0, rel=0.05)  # more clients: no more
+    # ... only more waiting before the first token: ~(clients in the path) x 50 ms
+    assert r8.ttft.p50 >= 0.05 and r16.ttft.p50 > r8.ttft.p50 + 0.2
+    # a noisy neighbour slows the path with the engine
+    slow = SimConfig(**{**QUIET.__dict__, "window_noise_cv": 0.2})
+    s = run(workload=closed(path_s=0.05), config=slow, seed=5)
+    assert s.observation.throughput_rps == pytest.approx(20.0 / s.slowdown, rel=0.05)
+
+
+def test_a_closed_loop_has_no_rate_and_bad_gaps_are_refused() -> None:
+    with pytest.raises(ValueError, match="closed loop has neither"):
+        Workload(rate_rps=10.0, closed=ClosedLoop(gap_s=0.01))
+    with pytest.raises(ValueError, match="path_s=-1"):
+        ClosedLoop(path_s=-1)
+    with pytest.raises(ValueError, match="gap_s=nan"):
+        ClosedLoop(gap_s=float("nan"))
+    with pytest.raises(ValueError, match="no arrival times"):
+        closed().arrivals(np.random.default_rng(0), 10.0)
