@@ -431,3 +431,32 @@ def test_a_closed_loop_has_no_rate_and_bad_gaps_are_refused() -> None:
         ClosedLoop(gap_s=float("nan"))
     with pytest.raises(ValueError, match="no arrival times"):
         closed().arrivals(np.random.default_rng(0), 10.0)
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_a_closed_loop_is_the_same_whichever_path_a_step_takes(seed: int) -> None:
+    """Its arrivals come as requests finish; the runs of decode-only steps and the steps
+    timed by their totals stop for them as for any arrival: the same result, bit for bit."""
+    kw = dict(
+        max_batch_size=12,
+        max_concurrency=12,
+        workload=Workload(
+            rate_rps=None,
+            prompt=LengthDist.lognormal(mean=64, cv=0.5, lo=8, hi=512),
+            output=LengthDist.lognormal(mean=32, cv=0.5, lo=2, hi=256),
+            closed=ClosedLoop(gap_s=0.003, path_s=0.0015),
+        ),
+        config=SimConfig(max_slots=16, max_len=1024, warmup_s=1.0, window_s=6.0),
+        slo=SLO,
+        seed=seed,
+    )
+    plain = simulate(step_time=_roofline_like, **kw)
+    run_fn, totals_fn = RooflineLike(), TotalsLike()
+    runs = simulate(step_time=run_fn, **kw)
+    totals = simulate(step_time=totals_fn, **kw)
+    assert plain.steps > 100 and plain.observation.completed > 100
+    assert run_fn.run_steps > 0 and totals_fn.calls == 0  # both fast paths were taken
+    for other in (runs, totals):
+        assert other.steps == plain.steps
+        assert other.timings == plain.timings
+        assert other.observation == plain.observation
