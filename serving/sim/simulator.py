@@ -65,14 +65,19 @@ def _lognormal_sigma(cv: float) -> float:
     return math.sqrt(math.log1p(cv * cv))
 
 
-def _through_path(door: list[float], path_s: float, free: float) -> list[float]:
+def _through_path(door: list[float], work: list[float], free: float) -> list[float]:
     """When requests reaching the front door at ``door`` (in time order) reach the engine
-    through a path that works ``path_s`` on one at a time, first free at ``free``."""
+    through a path that works ``work[k]`` on the k-th, one at a time, first free at ``free``."""
     out = []
-    for d in door:
-        free = (d if d > free else free) + path_s
+    for d, w in zip(door, work, strict=True):
+        free = (d if d > free else free) + w
         out.append(free)
     return out
+
+
+def _work(rng: np.random.Generator, mean_s: float, n: int) -> list[float]:
+    """``n`` times the serving path works on a request: exponential, of mean ``mean_s``."""
+    return rng.exponential(mean_s, n).tolist() if mean_s > 0 else [0.0] * n
 
 
 def _lengths(
@@ -185,6 +190,7 @@ def _simulate(
         slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
         gap = path_s = 0.0
         door: list[float] = []
+        side = rng
     else:
         # A closed loop (ClosedLoop): every client sends at the start, and again as soon as
         # its request finishes; each request reaches the front door gap_s later and the
@@ -194,9 +200,15 @@ def _simulate(
         slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
         gap = closed.gap_s * slowdown  # a noisy neighbour slows the path too
         path_s = closed.path_s * slowdown
+        # The path's work per request is exponential (it varies as live: one fixed time
+        # made the engine and the path trade the clients all at once where both serve
+        # about as many a second), and it and the lengths come as requests finish: from
+        # their own generator, so that the step noise's draws, whose timing depends on the
+        # path a step takes, do not move them.
+        side = np.random.default_rng(int(rng.integers(2**63)))
         door = [gap] * max_concurrency  # [C] at the front door
-        arrivals = np.asarray(_through_path(door, path_s, 0.0))  # [C] at the engine
-        prompts, outputs = _lengths(workload, rng, _LENGTH_BLOCK, cfg.max_len)  # [block] each
+        arrivals = np.asarray(_through_path(door, _work(side, path_s, max_concurrency), 0.0))
+        prompts, outputs = _lengths(workload, side, _LENGTH_BLOCK, cfg.max_len)  # [block] each
     sigma = _lognormal_sigma(cfg.step_noise_cv)
 
     sched = Scheduler(
@@ -353,14 +365,15 @@ def _simulate(
                 keep(done)
             if closed is not None:  # each client sends its next request
                 at_door = t + gap
-                for e in _through_path([at_door] * len(done), path_s, path_free):
+                m = len(done)
+                for e in _through_path([at_door] * m, _work(side, path_s, m), path_free):
                     arr[n] = e
                     arr.append(inf)
                     sent.append(at_door)
                     n += 1
                 path_free = arr[n - 1]
                 if n > len(plen):
-                    more_p, more_o = _lengths(workload, rng, _LENGTH_BLOCK, cfg.max_len)
+                    more_p, more_o = _lengths(workload, side, _LENGTH_BLOCK, cfg.max_len)
                     plen.frombytes(np.ascontiguousarray(more_p, dtype=np.int64).tobytes())
                     olen.frombytes(np.ascontiguousarray(more_o, dtype=np.int64).tobytes())
             if queue_limit and arr[i] <= full_at:  # the queue as it was before this step

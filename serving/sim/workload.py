@@ -116,9 +116,9 @@ class ClosedLoop:
     Between a request's last token and the next request of its client at the engine lies
     the serving path: ``gap_s`` outside the TTFT's clock (the stream back, the client),
     then the front door (where slotune's TTFT starts), then ``path_s`` of work per request
-    on a path that takes one request at a time, first come first served (Serve's proxy and
-    router, on the same cores as the engine): requests queue there when it is busy, and
-    that queueing is part of the TTFT, as it is live."""
+    on average (exponential) on a path that takes one request at a time, first come first
+    served (Serve's proxy and router, on the same cores as the engine): requests queue there
+    when it is busy, and that queueing is part of the TTFT, as it is live."""
 
     gap_s: float = 0.0
     path_s: float = 0.0
