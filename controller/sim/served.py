@@ -30,8 +30,9 @@ What the simulator departed on, measured (2026-12-04, AMD EPYC, 1 thread):
 So the fit goes through the simulator (:func:`fit_to_served`) with the canary's own load:
 a closed loop of one client per admission slot (:class:`~serving.sim.workload.ClosedLoop`),
 each client's next request reaching the front door a fixed gap after its last one
-finished, then the engine after a serving path that works on one request at a time (the
-clients beyond what the engine runs queue there, inside the TTFT's clock, as live). The
+finished, then the engine after a serving path that works on one request at a time
+(exponential times; the clients beyond what the engine runs queue there, inside the TTFT's
+clock, as live). The
 calibration's windows are simulated at its batches, and the decode step (at the batch that
 ran), the step noise, the gap and the path's time per request are adjusted until the
 simulated p50 TPOT, p99 spread and request rates meet the measured ones; the p99 TTFT
