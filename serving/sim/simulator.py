@@ -7,7 +7,9 @@ controller hands in the roofline's, so serving/ never imports search/), and the 
 clock advances by it. In front of the engine sits the admission limit of the deployment
 (Ray Serve's ``max_ongoing_requests``): at most ``max_concurrency`` requests in flight;
 an arrival beyond it waits in a bounded queue (``queue_limit``) or is rejected and
-counted.
+counted. The load is open (Poisson, or a trace), or the canary's closed loop through a
+serving path (:class:`~serving.sim.workload.ClosedLoop`): one client per admission slot,
+whose arrivals are made as their requests finish.
 
 Noise is the simulator's, not the step-time function's: a per-step lognormal jitter
 (``step_noise_cv``) and a per-run slowdown (``window_noise_cv``: a noisy neighbour for
@@ -190,7 +192,7 @@ def _simulate(
         slowdown = float(rng.lognormal(0.0, _lognormal_sigma(cfg.window_noise_cv)))
         gap = path_s = 0.0
         door: list[float] = []
-        side = rng
+        side = rng  # (a closed loop's own generator; unused here)
     else:
         # A closed loop (ClosedLoop): every client sends at the start, and again as soon as
         # its request finishes; each request reaches the front door gap_s later and the
@@ -230,8 +232,8 @@ def _simulate(
     arr = array.array("d")
     arr.frombytes(np.ascontiguousarray(arrivals, dtype=np.float64).tobytes())
     arr.append(math.inf)  # a sentinel: arr[i] <= t is False past the last arrival
-    # When each request reached the front door (its TTFT's start): the engine's arrival,
-    # or in a closed loop the part of the gap inside the TTFT's clock earlier.
+    # When each request reached the front door (its TTFT's start): its arrival at the
+    # engine, or in a closed loop before its wait and work on the serving path.
     sent = arr
     path_free = 0.0  # a closed loop's path: when it is free again
     if closed is not None:
