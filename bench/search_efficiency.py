@@ -71,7 +71,7 @@ from bench.search_bench import (
 )
 from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, SLOW_SCENARIOS
 from search.space import Knobs
-from search.stop_rule import StopRule
+from search.stop_rule import LARGER_BATCH_WITHIN, StopRule
 from search.tuner import Tuner
 
 WHOLE = "slotune-whole"  # slotune on windows that always run their whole length (ablation)
@@ -84,7 +84,7 @@ def run_strategy(
     cap: int,
     oracle_goodput: float,
     trace: list[dict] | None = None,
-    larger_batch_within: float = 0.0,
+    larger_batch_within: float = LARGER_BATCH_WITHIN,
     single: dict | None = None,
     spent: dict | None = None,
 ) -> tuple[int, bool]:
@@ -165,7 +165,7 @@ def run_scenario(
     seeds: int,
     cap: int,
     replicates: int,
-    larger_batch_within: float = 0.0,
+    larger_batch_within: float = LARGER_BATCH_WITHIN,
     window_noise_cv: float | None = None,
 ) -> dict:
     """Every strategy on one scenario (a process of its own with --jobs), and slotune
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--larger-batch-within",
         type=float,
-        default=0.0,
+        default=LARGER_BATCH_WITHIN,
         help="slotune's StopRule.larger_batch_within (0: deploy the best pooled goodput)",
     )
     args = ap.parse_args(argv)

@@ -31,6 +31,7 @@ import torch
 
 from controller.sim.scenarios import HELD_OUT_SCENARIOS, SCENARIOS, SLOW_SCENARIOS
 from search.space import Knobs
+from search.stop_rule import LARGER_BATCH_WITHIN
 from search.tuner import Tuner
 
 
@@ -52,7 +53,7 @@ def _verdicts(o) -> str:
 
 
 def trajectories(
-    se, bench, seeds: int, cap: int, og: float, larger_batch_within: float = 0.0
+    se, bench, seeds: int, cap: int, og: float, larger_batch_within: float = LARGER_BATCH_WITHIN
 ) -> list[int]:
     counts = []
     for seed in range(seeds):
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--larger-batch-within",
         type=float,
-        default=0.0,
+        default=LARGER_BATCH_WITHIN,
         help="slotune's StopRule.larger_batch_within (as bench/search_efficiency.py)",
     )
     args = ap.parse_args(argv)

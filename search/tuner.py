@@ -387,11 +387,11 @@ class Tuner:
     # -- results -----------------------------------------------------------------------
 
     def best(self, *, confirmed: bool = True) -> tuple[Knobs, PointSummary] | None:
-        """The incumbent: the knob with the best pooled goodput among those declared
-        (``stop_rule.confirmations`` windows whose pooled verdicts are MET, see
-        :meth:`PointSummary.declared`); with ``confirmed=False``, one window suffices.
-        ``stop_rule.larger_batch_within`` > 0 prefers the largest batch within that
-        fraction of the best goodput (:func:`search.stop_rule.incumbent`)."""
+        """The incumbent: among the knobs declared (``stop_rule.confirmations`` windows
+        whose pooled verdicts are MET, see :meth:`PointSummary.declared`; with
+        ``confirmed=False``, one window suffices), the largest batch within
+        ``stop_rule.larger_batch_within`` of the best pooled goodput (0: the best itself;
+        :func:`search.stop_rule.incumbent`)."""
         need = self.stop_rule.confirmations if confirmed else 1
         within = self.stop_rule.larger_batch_within
         p = incumbent(self.points(), confirmations=need, larger_batch_within=within)
