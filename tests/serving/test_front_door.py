@@ -165,15 +165,19 @@ def _wait_metrics(url: str, ready, timeout_s: float = 30.0) -> str:
 
 
 def _settled_metrics(url: str, samples: tuple[str, ...], timeout_s: float = 30.0) -> str:
-    """The export once ``samples``' sums read the same twice 2 s apart: an earlier test's
-    observations may still be on their way through Ray's agent (a CI run read a baseline
-    two replica TTFTs short of the export a moment later)."""
+    """The export once the app's replicas run and queue nothing and ``samples``' sums read
+    the same twice 2 s apart: an earlier test's requests may still be finishing, and their
+    observations on their way through Ray's agent (a replica records a request's TTFT when
+    it ends; CI runs read baselines two replica TTFTs short of the export a moment later,
+    once with the sums steady for 2 s)."""
+    busy = tuple(names.exported(n) for n in (names.RUNNING_REQUESTS, names.WAITING_REQUESTS))
     deadline = time.monotonic() + timeout_s
     text = httpx.get(url, timeout=30).text
     while time.monotonic() < deadline:
         time.sleep(2.0)
         again = httpx.get(url, timeout=30).text
-        if all(_sum(again, s) == _sum(text, s) for s in samples):
+        idle = all(_sum(t, g) == 0 for t in (text, again) for g in busy)
+        if idle and all(_sum(again, s) == _sum(text, s) for s in samples):
             return again
         text = again
     return text
