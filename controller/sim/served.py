@@ -264,8 +264,9 @@ def fit_to_served(served: ServedModel, base: Scenario) -> ServedFit:
         if miss <= FIT_TOLERANCE:
             break
         # Half steps (in log for the step and the noise): each pulls on the others.
-        for b in pts:
-            want[at[b]] /= _bounded(ratios[b][0]) ** FIT_STEP
+        for n in want:  # the knobs that ran this batch: their ratios' geometric mean
+            logs = [math.log(_bounded(ratios[b][0])) for b in pts if at[b] == n]
+            want[n] /= math.exp(FIT_STEP * sum(logs) / len(logs))
         if sim_spread > 0:
             cv = _clip_cv(cv * (spread / sim_spread) ** FIT_STEP)
         if has_rate:
