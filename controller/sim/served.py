@@ -175,8 +175,8 @@ class ServedFit:
     def describe(self) -> str:
         c = self.closed
         return (
-            f"serving path {c.gap_s * 1e3:.0f} ms, then {c.path_s * 1e3:.1f} ms a request one"
-            " at a time; simulated at the measured batches: "
+            f"serving path {c.gap_s * 1e3:.0f} ms outside the TTFT, then {c.path_s * 1e3:.1f} ms"
+            " a request on average, one at a time; simulated at the measured batches: "
             + "; ".join(
                 f"B={b}: p50 x{r50:.2f}, p99 x{r99:.2f}, req/s x{rr:.2f}, p99 TTFT x{rt:.2f}"
                 for b, (r50, r99, rr, rt) in self.ratios.items()
