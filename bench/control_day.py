@@ -10,6 +10,8 @@ every strategy sees the same windows (common random numbers: one simulator seed 
 - ``control``: :func:`controller.control.decide.decide` each tick, starting at the canary's
   operating point; its policy is bounded by and predicts on the canary's curve (a sweep of
   batches at the base workload under a saturating load, as ``slotune tune`` measures it).
+  It reads each window with the engine's running and waiting gauges, as it does live
+  (``--without-gauges``: as from a server that exports neither).
 - ``best fixed``: of fixed batch limits on a lattice (admission limit = batch), the one with
   the most goodput over the day among those within the SLO in >= 99% of windows: the best
   a fixed setting could do, chosen in hindsight.
@@ -137,6 +139,11 @@ def main() -> None:
         "--long-hours", default="17-23", help="first-last hour of long answers (e.g. 22-6)"
     )
     ap.add_argument("--peak", type=float, default=1.2, help="peak rate x the canary's goodput")
+    ap.add_argument(
+        "--without-gauges",
+        action="store_true",
+        help="control sees no running/waiting gauges (a server that exports neither)",
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     base = SimTarget(resolve_scenario(args.scenario))
@@ -158,6 +165,11 @@ def main() -> None:
         w = o.window_s
         return replace(o, start_s=i * w, end_s=(i + 1) * w)
 
+    def seen(o: Observation) -> Observation:
+        """The window as control reads it: the engine's running and waiting gauges (the
+        batch a cut is sized from, the demand a loosening needs) unless withheld."""
+        return replace(o, running=math.nan, waiting=math.nan) if args.without_gauges else o
+
     # control
     policy = Policy(
         slo=slo,
@@ -175,7 +187,7 @@ def main() -> None:
     for i in range(len(ticks)):
         o = window(state.knobs, i)
         ctl.add(o, slo, state.knobs.max_batch_size)
-        d = decide(Signals(observation=o), state, policy)
+        d = decide(Signals(observation=seen(o)), state, policy)
         actions[d.action.value] = actions.get(d.action.value, 0) + 1
         ctl.changes += d.action in (Action.TIGHTEN, Action.LOOSEN, Action.ROLLBACK)
         trace.append(state.knobs.max_batch_size)
@@ -213,6 +225,7 @@ def main() -> None:
         "cpu": cpu,
         "windows": len(ticks),
         "seed": args.seed,
+        "gauges": not args.without_gauges,
         "control": {
             "goodput_rps": ctl.rps,
             "within_slo": ctl.attainment,

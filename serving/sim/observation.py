@@ -92,10 +92,14 @@ def observation_from_timings(
     confidence: float,
     source: str = "sim",
     times: Callable[[Any], tuple] = _TIMES,
+    running: float = math.nan,
+    waiting: float = math.nan,
 ) -> Observation:
     """The Observation of a window from per-request timings (exact quantiles, verdicts).
     ``times`` reads ``(arrival_s, first_token_s, last_token_s, generated_tokens)`` of one
-    (:data:`SEQ_TIMES`: the simulator hands in the finished sequences themselves)."""
+    (:data:`SEQ_TIMES`: the simulator hands in the finished sequences themselves).
+    ``running`` and ``waiting``: the window's mean requests in the batch and waiting for a
+    place in it (NaN: not known)."""
     # RequestTiming's ttft_s and tpot_s, as arrays: the same float operations.
     arrival, first, last, generated = _columns(timings, times)  # [n] each
     ttft_a = first - arrival  # [n]
@@ -119,6 +123,8 @@ def observation_from_timings(
         ttft_verdict=_verdict(ttft, slo.ttft_p99_s, q, confidence),
         tpot_verdict=_verdict(tpot, slo.tpot_p99_s, q, confidence),
         source=source,
+        running=running,
+        waiting=waiting,
         ttft_hist=bin_samples(ttft, sample_bounds(TTFT_BUCKETS, slo.ttft_p99_s)),
         tpot_hist=bin_samples(tpot, sample_bounds(TPOT_BUCKETS, slo.tpot_p99_s)),
     )

@@ -273,6 +273,10 @@ def _simulate(
     i = 0
     steps = 0
     busy = 0.0
+    # Requests running (holding a place in the batch) and waiting for one, integrated over
+    # the window's time: their means are the engine's gauges as a scrape would average them.
+    run_area = 0.0
+    wait_area = 0.0
     noise: list[float] = []
     k = 0
     # Arrivals up to full_at came while every admission was taken: they are queued or
@@ -333,7 +337,12 @@ def _simulate(
                     noise = noise[k:] + draw()
                     k = 0
                 stop_s = arr[i] if in_flight < limit and arr[i] < end_s else end_s
+                t0 = t
                 took, last_start, t, busy = _run_steps(base, slowdown, noise, k, t, busy, stop_s)
+                span = (t if t < end_s else end_s) - (t0 if t0 > warmup_s else warmup_s)
+                if span > 0:
+                    run_area += sched.num_running * span
+                    wait_area += sched.num_waiting * span
                 if arr[i] <= last_start:  # arrivals while full, as each step saw them
                     full_at = last_start
                 took = min(took, max_steps + 1 - steps)
@@ -355,6 +364,10 @@ def _simulate(
         k += 1
         if not (dt > 0 and dt < inf):
             raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
+        span = (t + dt if t + dt < end_s else end_s) - (t if t > warmup_s else warmup_s)
+        if span > 0:
+            run_area += sched.num_running * span
+            wait_area += sched.num_waiting * span
         t += dt
         busy += dt
         steps += 1
@@ -397,6 +410,8 @@ def _simulate(
         rejected=rejected,
         confidence=cfg.confidence,
         times=SEQ_TIMES,
+        running=run_area / cfg.window_s,
+        waiting=wait_area / cfg.window_s,
     )
     logger.debug(
         "sim B=%d C=%d: %d steps, %d done, %d rejected",

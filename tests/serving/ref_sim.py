@@ -75,6 +75,7 @@ def ref_simulate(
     i = 0
     steps = 0
     busy = 0.0
+    run_area = wait_area = 0.0  # requests running and waiting, integrated over the window
     noise = np.empty(0)
     k = 0
     while t < end_s:
@@ -104,6 +105,10 @@ def ref_simulate(
         k += 1
         if not (math.isfinite(dt) and dt > 0):
             raise ValueError(f"step_time returned {dt!r} for a plan: must be > 0 seconds")
+        span = min(t + dt, end_s) - max(t, cfg.warmup_s)
+        if span > 0:
+            run_area += sched.num_running * span
+            wait_area += sched.num_waiting * span
         t += dt
         busy += dt
         steps += 1
@@ -123,6 +128,8 @@ def ref_simulate(
         end_s=end_s,
         rejected=rejected,
         confidence=cfg.confidence,
+        running=run_area / cfg.window_s,
+        waiting=wait_area / cfg.window_s,
     )
     return SimResult(
         observation=obs,
