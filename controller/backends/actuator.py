@@ -66,6 +66,12 @@ class ActuatorUnavailable(RuntimeError):
     """The deployment could not be read now (transient: the loop may retry)."""
 
 
+class ForeignChange(RuntimeError):
+    """The deployment runs a setting slotune derives from its knobs, changed by someone else
+    (its knobs alone cannot say so): the loop pauses, and ``--ack`` lets slotune write its
+    own again."""
+
+
 @runtime_checkable
 class Actuator(Protocol):
     """How knob changes reach one deployment."""
@@ -73,7 +79,9 @@ class Actuator(Protocol):
     name: str  # the --actuator value that selects it
 
     def current(self) -> Knobs | None:
-        """The knobs the deployment runs on now (None: unknown or not configurable)."""
+        """The knobs the deployment runs on now (None: unknown or not configurable);
+        ForeignChange when it runs something slotune derives from them, changed by someone
+        else."""
         ...
 
     def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from controller.backends.actuator import ActuatorError, ActuatorUnavailable
+from controller.backends.actuator import ActuatorError, ActuatorUnavailable, ForeignChange
 from controller.backends.knob_path import get_path
 from controller.backends.kube import (
     REQUEST_TIMEOUT_S,
@@ -40,7 +40,12 @@ from controller.backends.kube import (
     kube_error,
     read_object,
 )
-from controller.backends.serve import ServeActuator, admission_of, replace_app
+from controller.backends.serve import (
+    ServeActuator,
+    admission_of,
+    foreign_serve_limit,
+    replace_app,
+)
 from controller.backends.serve_rest import deployment_details
 
 if TYPE_CHECKING:
@@ -210,6 +215,9 @@ class KubeRayActuator(ServeActuator):
                 f"{self.what} declares {declared} but the cluster runs {live} (KubeRay has "
                 "yet to submit the CR, or someone changed the cluster directly)"
             )
+        foreign = foreign_serve_limit(cfg)
+        if foreign:
+            raise ForeignChange(f"{self.what}: {foreign}")
         return declared
 
     def describe(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from controller.backends.actuator import (
     ActuatorUnavailable,
     ApplyCost,
     Fleet,
+    ForeignChange,
     KnobEffects,
 )
 from controller.backends.knob_path import KnobPath, get_path, restarting_changes, set_path
@@ -99,6 +100,28 @@ def admission_of(deployment_config: dict[str, Any]) -> Any:
     if isinstance(user_config, dict) and ADMISSION_KEY in user_config:
         return user_config[ADMISSION_KEY]
     return deployment_config.get("max_ongoing_requests")
+
+
+def foreign_serve_limit(deployment_config: dict[str, Any]) -> str:
+    """Why slotune's own app runs a Serve ``max_ongoing_requests`` other than the one its
+    admission key and queue imply (``serving.app.deploy.serve_limit``), which is how slotune
+    writes it: someone edited Serve's limit alone. Empty when it is that one, or for any
+    other deployment (Serve's limit is then the admission knob itself)."""
+    user_config = deployment_config.get("user_config")
+    if not (isinstance(user_config, dict) and ADMISSION_KEY in user_config):
+        return ""
+    key, queued = user_config[ADMISSION_KEY], user_config.get(QUEUE_KEY)
+    serve = deployment_config.get("max_ongoing_requests")
+    try:
+        want = serve_limit(int(key), None if queued is None else int(queued))
+    except (TypeError, ValueError):
+        return f"user_config {ADMISSION_KEY}={key!r}, {QUEUE_KEY}={queued!r}: not integers"
+    if serve == want:
+        return ""
+    return (
+        f"Serve's max_ongoing_requests is {serve!r} where user_config {ADMISSION_KEY}={key} "
+        f"and {QUEUE_KEY}={queued} make it {want}, as slotune writes it"
+    )
 
 
 def with_knobs(
@@ -220,11 +243,15 @@ class ServeActuator:
             details = self.rest.details()
             dep = deployment_details(details, self.app, self.deployment)
             batch = self._batch_now(details)
-            ongoing = admission_of(dep.get("deployment_config") or {})
-            return Knobs(max_batch_size=batch, max_concurrency=ongoing)
+            cfg = dep.get("deployment_config") or {}
+            ongoing = admission_of(cfg)
         except (ActuatorError, ValueError, TypeError) as e:  # informational
             log.warning("could not read the knobs of %s/%s: %s", self.app, self.deployment, e)
             return None
+        foreign = foreign_serve_limit(cfg)
+        if foreign:
+            raise ForeignChange(f"{self.app}/{self.deployment}: {foreign}")
+        return Knobs(max_batch_size=batch, max_concurrency=ongoing)
 
     def scaling(self) -> Scaling | None:
         """Serve's autoscaler for this deployment as it runs now; None without autoscaling."""
@@ -337,7 +364,7 @@ class ServeActuator:
         self, knobs: Knobs, batch: int, dep: dict[str, Any], target: float | None = None
     ) -> bool:
         cfg = dep.get("deployment_config") or {}
-        if admission_of(cfg) != int(knobs.max_concurrency):
+        if admission_of(cfg) != int(knobs.max_concurrency) or foreign_serve_limit(cfg):
             return False
         if target is not None:
             now = (effective_autoscaling(dep) or {}).get("target_ongoing_requests")

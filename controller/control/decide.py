@@ -19,8 +19,10 @@ Each tick has one of three outcomes:
 What it does, in order:
 
 1. **Drift**: the deployment runs knobs other than those slotune last wrote (a person,
-   GitOps, an operator resubmitting its config): pause and say so, never fight; ``--ack``
-   adopts the live knobs (:func:`acknowledge`).
+   GitOps, an operator resubmitting its config), or a setting slotune derives from them
+   changed alone (``Signals.drift``: Serve's limit beside slotune's own admission key):
+   pause and say so, never fight; ``--ack`` adopts the live knobs (:func:`acknowledge`), or
+   for a derived setting has slotune write its own again (controller/control/loop.py).
 2. **Burn → rollback**: over the last ``burn_window_s`` the share of requests that missed
    the SLO exceeds ``burn_rate`` times the error budget (1 - the SLO's quantile): re-apply
    the last known-good knobs at once and latch ``degraded`` until acknowledged (Argo
@@ -125,6 +127,9 @@ class Signals:
     live: Knobs | None = None  # the knobs the deployment runs now (None: not readable)
     fault: str = ""  # the window spans a rollout or replica restart, or could not be read
     scaling: Scaling | None = None  # Serve's autoscaler, when it moves the replica count
+    # a setting slotune derives from the knobs, changed by someone else (the knobs cannot
+    # show it: Serve's limit beside slotune's own admission key); "" when none
+    drift: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,7 +251,18 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             predicted_tpot_s=predicted,
         )
 
-    # 1. someone else's knobs: pause
+    # 1. someone else's knobs, or a setting derived from them: pause
+    if signals.drift:
+        return Decision(
+            outcome=Outcome.INCONCLUSIVE,
+            action=Action.PAUSE,
+            knobs=cur,
+            reason=(
+                f"{signals.drift}: changed by someone else; paused, not fighting (slotune "
+                "control --ack writes slotune's own again)"
+            ),
+            state=replace(st, calm_since=None),
+        )
     if signals.live is not None and signals.live != cur:
         return Decision(
             outcome=Outcome.INCONCLUSIVE,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from controller.backends.actuator import UNSETTLED, Actuator, ActuatorError, Fleet
+from controller.backends.actuator import UNSETTLED, Actuator, ActuatorError, Fleet, ForeignChange
 from controller.control.decide import (
     Action,
     Decision,
@@ -99,7 +99,12 @@ def initial_state(actuator: Actuator, path: Path) -> State:
     saved = load_state(path)
     if saved is not None:
         return saved
-    live = actuator.current()
+    try:
+        live = actuator.current()
+    except ForeignChange as e:  # nothing of slotune's yet to go back to: say so, act on none
+        raise ControlFailed(
+            f"{e}: set it back (or redeploy) before slotune control starts on this deployment"
+        ) from None
     if live is None:
         raise ControlFailed(
             f"{actuator.describe().get('actuator', actuator.name)}: the deployment's knobs "
@@ -153,10 +158,13 @@ def run_control(
                 fault = fault or unleased
                 after = _safe_fleet(actuator)
                 fault = fault or _fleet_fault(before, after)
+                drift = ""
                 try:
                     live: Knobs | None = actuator.current()
                 except ActuatorError as e:
                     raise ControlFailed(f"the deployment cannot be read: {e}") from None
+                except ForeignChange as e:
+                    live, drift = None, str(e)
                 except Exception as e:
                     live, fault = None, fault or f"the deployment's knobs could not be read: {e}"
                 marker = ack_path(state_path)
@@ -164,12 +172,17 @@ def run_control(
                     state = acknowledge(state, live)
                     marker.unlink(missing_ok=True)
                     say(f"acknowledged: degraded latch cleared, running {state.knobs}")
+                    if drift:  # slotune writes its own again: no decision on this window
+                        state, fault = _restore(state, actuator, config.dry_run, drift)
+                        drift = ""
                 try:
                     scaling = actuator.scaling()
                 except Exception as e:  # read with the same details as the knobs: no data, hold
                     scaling, fault = None, fault or f"the autoscaler could not be read: {e}"
                 d = decide(
-                    Signals(observation=obs, live=live, fault=fault, scaling=scaling), state, policy
+                    Signals(observation=obs, live=live, fault=fault, scaling=scaling, drift=drift),
+                    state,
+                    policy,
                 )
                 old = state.knobs
                 state, applied, error = _act(d, state, actuator, live, config.dry_run)
@@ -215,6 +228,22 @@ def _read(reader: WindowReader, token: Any, start: float, end: float) -> tuple[O
         log.warning("reading the window failed: %s", e)
         empty = Observation(start_s=start, end_s=end, completed=0, slo_met=0, stale=True)
         return empty, f"the metrics could not be read ({e})"
+
+
+def _restore(state: State, actuator: Actuator, dry_run: bool, drift: str) -> tuple[State, str]:
+    """After ``--ack`` of a foreign change slotune's knobs cannot show (``drift``): write
+    slotune's own config for its knobs again (not when dry); the state, and the fault that
+    holds this tick."""
+    if dry_run:
+        return state, f"acknowledged ({drift}); a dry run writes nothing"
+    try:
+        actuator.apply(state.knobs)
+    except ActuatorError as e:
+        raise ControlFailed(f"applying {state.knobs} after --ack failed: {e}") from None
+    except Exception as e:  # transient: the next tick sees the change still, and pauses
+        log.warning("writing %s again after --ack failed: %s", state.knobs, e)
+        return state, f"acknowledged ({drift}); writing slotune's config again failed: {e}"
+    return state, f"acknowledged ({drift}); slotune's config for {state.knobs} written again"
 
 
 def _act(

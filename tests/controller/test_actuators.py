@@ -20,7 +20,13 @@ from controller.backends.knob_path import (
     set_path,
 )
 from controller.backends.none import NoActuator
-from controller.backends.serve import ServeActuator, admission_of, pick_deployment, with_knobs
+from controller.backends.serve import (
+    ServeActuator,
+    admission_of,
+    foreign_serve_limit,
+    pick_deployment,
+    with_knobs,
+)
 from controller.backends.serve_autoscaling import (
     Scaling,
     limit_per_target,
@@ -161,6 +167,16 @@ def test_serve_edit_of_slotunes_own_app_moves_its_admission_key_and_serves_limit
     )
     assert bare["deployments"][0]["max_ongoing_requests"] == 12
     assert admission_of({"max_ongoing_requests": 7, "user_config": {"b": 1}}) == 7
+    # Serve's limit is what slotune writes for the key and queue, or someone else's edit
+    assert foreign_serve_limit(got) == "" and foreign_serve_limit(bare["deployments"][0]) == ""
+    got["max_ongoing_requests"] = 50
+    assert foreign_serve_limit(got) == (
+        "Serve's max_ongoing_requests is 50 where user_config max_ongoing_requests=12 and "
+        "max_queued_requests=64 make it 88, as slotune writes it"
+    )
+    assert admission_of(got) == 12  # the knobs alone cannot show it
+    assert foreign_serve_limit({"max_ongoing_requests": 7, "user_config": {"b": 1}}) == ""
+    assert foreign_serve_limit({"max_ongoing_requests": 7}) == ""
 
 
 def test_serve_edit_of_a_code_defined_user_config_keeps_its_other_keys() -> None:

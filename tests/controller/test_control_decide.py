@@ -398,6 +398,18 @@ def test_drift_pauses_every_tick_until_acked_then_adopts_the_live_knobs() -> Non
     assert d.action is Action.TIGHTEN and d.knobs == Knobs(max_batch_size=30, max_concurrency=30)
 
 
+def test_a_derived_setting_changed_alone_pauses_with_the_knobs_unchanged() -> None:
+    why = "llm/Server: Serve's max_ongoing_requests is 50 where ... make it 96"
+    st = State(knobs=K16)
+    for end in (60, 120):  # a violation or a calm queue alike: no action while it stands
+        d = tick(obs(end, tpot=1.5, rejected=9), st, drift=why)
+        assert (d.outcome, d.action, d.knobs) == (Outcome.INCONCLUSIVE, Action.PAUSE, K16)
+        assert d.reason.startswith(why + ": changed by someone else; paused")
+        assert d.state.calm_since is None
+        st = d.state
+    assert tick(obs(180, tpot=1.5), st).action is Action.TIGHTEN  # gone: decided as ever
+
+
 @pytest.mark.parametrize(
     "kw,msg",
     [

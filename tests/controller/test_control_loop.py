@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.actuator import ActuatorError, ApplyCost
+from controller.backends.actuator import ActuatorError, ApplyCost, ForeignChange
 from controller.control.decide import State
 from controller.control.loop import ControlFailed, LoopConfig, run_control
 from controller.control.policy import Policy
@@ -81,16 +81,19 @@ class FakeActuator:
         self.fleets = fleets or []
         self.reads = 0
         self.gone = False
+        self.foreign = ""  # a derived setting changed by someone else, until the next apply
 
     def current(self) -> Knobs:
         if self.gone:
             raise ActuatorError("application 'llm' not found")
+        if self.foreign:
+            raise ForeignChange(self.foreign)
         return self.knobs
 
     def apply(self, knobs: Knobs, *, batch_cap: int | None = None) -> ApplyCost:
         self.applied.append(knobs)
-        changed = knobs != self.knobs
-        self.knobs = knobs
+        changed = knobs != self.knobs or bool(self.foreign)
+        self.knobs, self.foreign = knobs, ""
         return ApplyCost(changed=changed)
 
     def fleet(self):
@@ -222,6 +225,30 @@ def test_someone_elses_change_pauses_without_fighting(tmp_path) -> None:
     _, rows = run(tmp_path, [1.5, 1.5], act, ticks=2)
     assert [r["action"] for r in rows] == ["pause", "pause"] and act.applied == []
     assert "changed by someone else" in rows[0]["reason"]
+
+
+def test_a_derived_setting_changed_alone_pauses_until_acked_then_slotune_writes_its_own(
+    tmp_path,
+) -> None:
+    from controller.control.loop import ack_path
+
+    act = FakeActuator(K16)
+    act.foreign = "llm/Server: Serve's max_ongoing_requests is 50 where ... make it 96"
+    save_state(State(knobs=K16), tmp_path / "state.json")
+    _, rows = run(tmp_path, [1.5, 1.5], act, ticks=2)
+    assert [r["action"] for r in rows] == ["pause", "pause"] and act.applied == []
+    assert "is 50 where" in rows[0]["reason"] and "changed by someone else" in rows[0]["reason"]
+    fresh = tmp_path / "fresh"  # no saved state: nothing of slotune's to go back to
+    fresh.mkdir()
+    with pytest.raises(ControlFailed, match="is 50 where .* set it back"):
+        run(fresh, [1.5], act, ticks=1)
+    ack_path(tmp_path / "state.json").touch()  # slotune control --ack
+    (tmp_path / "audit.jsonl").unlink()
+    state, rows = run(tmp_path, [1.5, 1.5], act, ticks=2)
+    # the ack writes slotune's own config for its knobs once and holds that tick; then as ever
+    assert act.applied[0] == K16 and act.foreign == ""
+    assert [r["action"] for r in rows] == ["hold", "tighten"]
+    assert "written again" in rows[0]["reason"] and state.knobs.max_batch_size < 16
 
 
 def test_the_deployment_deleted_under_it_is_a_clear_failure(tmp_path) -> None:

@@ -1,7 +1,9 @@
 """``serve deploy deploy/serve-config.yaml``, Ray's own command line, against a running Ray
 (the session cluster, token auth on): the file deploys as it is, the app answers a
 completion at the route the file gives, runs the knobs the file declares, and a knob change
-by slotune's ``serve`` actuator then lands in place (same replica pid: no restart).
+by slotune's ``serve`` actuator then lands in place (same replica pid: no restart). Serve's
+limit edited alone by someone else is seen (the knobs cannot show it), and slotune's next
+write restores the one its knobs imply.
 
 Serve keeps the HTTP port it started with (the session's free port, not the file's 8000:
 Ray logs that it cannot change it), so the request goes to the session's proxy."""
@@ -17,8 +19,9 @@ import httpx
 import pytest
 import yaml
 
-from controller.backends.serve import ServeActuator
-from controller.backends.serve_rest import ServeRest
+from controller.backends.actuator import ForeignChange
+from controller.backends.serve import ServeActuator, replace_app
+from controller.backends.serve_rest import ServeRest, declarative_apps, deployment_details
 from search.space import Knobs
 from tests.reliability.ray_procs import child_env
 
@@ -68,6 +71,25 @@ def test_serve_deploy_of_the_config_file_serves_and_takes_knobs_in_place(ray_clu
         cost = act.apply(new)
         assert cost.changed and not cost.restarted
         assert act.current() == new and replica_pids(name) == pids
+        # someone sets Serve's max_ongoing_requests alone (slotune's key stays 12)
+        details = rest.details()
+        edited = details["applications"][name]["deployed_app_config"]
+        (entry,) = edited["deployments"]
+        written = entry["max_ongoing_requests"]
+        entry["max_ongoing_requests"] = written + 7
+        rest.put(details, replace_app(declarative_apps(details), edited))
+        rest.wait(
+            name,
+            dep["name"],
+            lambda d: d["deployment_config"]["max_ongoing_requests"] == written + 7,
+            timeout_s=60.0,
+        )
+        with pytest.raises(ForeignChange, match=f"max_ongoing_requests is {written + 7} where"):
+            act.current()
+        cost = act.apply(new)  # what slotune writes after --ack: its own limit again
+        assert cost.changed and act.current() == new and replica_pids(name) == pids
+        cfg = deployment_details(rest.details(), name, dep["name"])["deployment_config"]
+        assert cfg["max_ongoing_requests"] == written
     finally:
         rest.close()
         delete_app(name)
