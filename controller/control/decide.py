@@ -30,9 +30,12 @@ What it does, in order:
    another load (a step up in traffic burns the budget too), and going back up is never
    the remedy; without smaller known-good knobs it latches and goes on as below.
    While degraded it may tighten, never loosen.
-3. **Tighten fast**: at once on a violated window, or on ``near_windows`` met windows in a
-   row whose p99 reached ``tighten_at`` of its SLO (one such window alone is within the
-   noise of a p99 near the operating point). TPOT trouble lowers the batch limit
+3. **Tighten fast**: at once on a violated window, or when the knobs' level reaches
+   ``tighten_at`` of an SLO: the mean p99 share of the conclusive windows at these knobs in
+   the last ``stabilization_s``, once there are ``near_windows`` of them (one window alone
+   is within the noise of a p99 near the operating point, and a window under it does not
+   undo the ones over: two in a row over 95% ratcheted a simulated day's batch down where
+   p99 hardly moved with it). TPOT trouble lowers the batch limit
    (x ``decrease``, at least 1; deeper, by at most ``max_step``, where p99 in proportion to
    the batch would stay over ``loosen_below``) and the admission limit with it
    at the same headroom; TTFT trouble alone lowers the admission limit toward the batch
@@ -113,7 +116,10 @@ class State:
     last_end_s: float = -math.inf  # the end of the newest window decided
     # (window end, completed, missed the SLO) of the windows within the burn window
     burn: tuple[tuple[float, int, int], ...] = ()
-    near: int = 0  # conclusive windows in a row met but over tighten_at
+    # (window end, p99 TTFT, p99 TPOT as shares of the SLO) of the conclusive windows judged
+    # at these knobs in the last stabilization_s (or near_windows windows' time, if longer):
+    # their mean is the level a near tightening reads
+    level: tuple[tuple[float, float, float], ...] = ()
     ticks: int = 0
     holds: int = 0
     rollbacks: int = 0
@@ -147,12 +153,16 @@ class Decision:
         return self.action in (Action.TIGHTEN, Action.LOOSEN, Action.ROLLBACK)
 
 
+# A change of the knobs starts their level afresh: no window judged at them yet.
+_FRESH: dict[str, object] = {"level": ()}
+
+
 def acknowledge(state: State, live: Knobs | None) -> State:
     """An operator's ``--ack``: clear the degraded latch and adopt the live knobs (after a
     drift pause); loosening waits a fresh stabilization window."""
-    return replace(
-        state, degraded="", rolled_back=False, knobs=live or state.knobs, calm_since=None
-    )
+    knobs = live or state.knobs
+    fresh = _FRESH if knobs != state.knobs else {}
+    return replace(state, degraded="", rolled_back=False, knobs=knobs, calm_since=None, **fresh)  # type: ignore[arg-type]
 
 
 def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
@@ -241,7 +251,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         predicted: float = math.nan,
         **kw: object,
     ) -> Decision:
-        s = replace(st, knobs=new, last_change_s=now, **kw)  # type: ignore[arg-type]
+        s = replace(st, knobs=new, last_change_s=now, **_FRESH, **kw)  # type: ignore[arg-type]
         return Decision(
             outcome=outcome,
             action=action,
@@ -312,7 +322,6 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                 rolled_back=True,
                 calm_since=None,
                 rollbacks=st.rollbacks + 1,
-                near=0,
             )
         # no smaller known-good knobs to go back to: larger ones were good under another
         # load, and going back up is never the remedy; latch, then act as any window would
@@ -322,23 +331,44 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     # 3. tighten at once
     violated_tpot = o.tpot_verdict is not None and o.tpot_verdict.verdict is Verdict.VIOLATED
     violated_ttft = o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED
-    hot_tpot = o.tpot_verdict is not None and (violated_tpot or tpot_share >= policy.tighten_at)
-    hot_ttft = violated_ttft or ttft_share >= policy.tighten_at
+    # Near the SLO is judged on the level of these knobs: the mean share of every window
+    # judged at them (at least near_windows), not on one window, which is within the noise
+    # of a p99 near the operating point (a simulated day's windows at one batch read +-4%;
+    # two in a row over 95% then ratcheted the batch down where p99 hardly moved with it)
+    if math.isfinite(ttft_share) and math.isfinite(tpot_share):
+        horizon = max(policy.stabilization_s, policy.near_windows * o.window_s)
+        level = (*st.level, (now, ttft_share, tpot_share))
+        st = replace(st, level=tuple(x for x in level if x[0] > now - horizon))
+    n = len(st.level)
+    pooled = n >= policy.near_windows
+    mean_ttft = sum(x[1] for x in st.level) / n if pooled else math.nan
+    mean_tpot = sum(x[2] for x in st.level) / n if pooled else math.nan
+    hot_tpot = o.tpot_verdict is not None and (violated_tpot or mean_tpot >= policy.tighten_at)
+    hot_ttft = violated_ttft or mean_ttft >= policy.tighten_at
     if violated_ttft and not violated_tpot:
         # TTFT judged over and TPOT only near: the TTFT is the trouble; a smaller batch
         # would queue more (live: B=19 -> 17 took p99 TTFT from 149% to 240% of its SLO)
         hot_tpot = False
-    near = (hot_tpot or hot_ttft) and not (violated_tpot or violated_ttft)
-    if near and st.near + 1 < policy.near_windows:
-        # met, but near the SLO: once may be one noisy window; again in a row tightens
-        what = "TPOT" if hot_tpot else "TTFT"
-        share = tpot_share if hot_tpot else ttft_share
+    if not violated_tpot:  # near: the level's share, not this window's
+        tpot_share = mean_tpot if hot_tpot else tpot_share
+    if not violated_ttft:
+        ttft_share = mean_ttft if hot_ttft else ttft_share
+    near_once = not (violated_tpot or violated_ttft) and max(ttft_share, tpot_share) >= (
+        policy.tighten_at
+    )
+    if near_once and not (hot_tpot or hot_ttft):
+        # met, near the SLO, but the knobs' level is not (yet): within the window noise
+        what, share = ("TPOT", tpot_share) if tpot_share >= ttft_share else ("TTFT", ttft_share)
+        level = (
+            f"the mean of their last {n} windows is under it"
+            if pooled
+            else f"{n} of the {policy.near_windows} windows at them its mean needs"
+        )
         return hold(
             outcome,
             f"met, p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%} "
-            f"in {policy.near_windows} windows in a row): holding {cur}",
+            f"on the level of {cur}: {level}): holding {cur}",
             calm_since=None,
-            near=st.near + 1,
         )
     if hot_tpot or hot_ttft:
         b, c = cur.max_batch_size, cur.max_concurrency
@@ -365,16 +395,13 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                         f"TPOT at {tpot_share:.0%}: the curve predicts p99 TPOT "
                         f"{predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
                     )
-                    return change(
-                        outcome, Action.LOOSEN, new, why, predicted, calm_since=None, near=0
-                    )
+                    return change(outcome, Action.LOOSEN, new, why, predicted, calm_since=None)
             return hold(
                 outcome,
                 f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
                 "queueing for the batch; holding (more replicas needed, not a smaller batch)"
                 + (f"; {shrinks}" if shrinks else ""),
                 calm_since=None,
-                near=0,
             )
         if not hot_tpot:  # TTFT alone: shed at the door
             new = Knobs(max_batch_size=b, max_concurrency=max(b, _step_down(c, policy)))
@@ -406,10 +433,10 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             f"p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%}):"
             f" {cur} -> {new}"
         )
-        return change(outcome, Action.TIGHTEN, new, why, calm_since=None, near=0)
+        return change(outcome, Action.TIGHTEN, new, why, calm_since=None)
 
     # met, under tighten_at on both: a known-good point
-    st = replace(st, last_good=cur, near=0)
+    st = replace(st, last_good=cur)
     queued = _queued(o, cur.max_batch_size)
     calm = ttft_share <= policy.loosen_below and tpot_share <= policy.loosen_below
     if st.degraded:

@@ -30,7 +30,7 @@ class Policy:
     concurrency_max: int | None = None  # None: batch_max x headroom
     tighten_at: float = 0.95
     loosen_below: float = 0.9
-    near_windows: int = 2  # windows in a row met over tighten_at before tightening
+    near_windows: int = 2  # windows at the knobs before their mean may tighten (decide.py)
     decrease: float = 0.9
     increase: int = 1  # at least this many a loosening tick ...
     increase_share: float = 0.05  # ... or this share of the batch, whichever is more

@@ -259,6 +259,13 @@ def test_the_deployment_deleted_under_it_is_a_clear_failure(tmp_path) -> None:
         run(tmp_path, [0.5], act, ticks=1)
 
 
+def test_the_knobs_level_is_saved_with_the_state(tmp_path) -> None:
+    state, rows = run(tmp_path, [0.97], FakeActuator(K16), ticks=1)
+    assert rows[0]["action"] == "hold" and len(state.level) == 1
+    assert state.level[0][2] == pytest.approx(0.97)
+    assert load_state(tmp_path / "state.json") == state
+
+
 def test_every_tick_is_audited_saved_and_exported(tmp_path) -> None:
     act = FakeActuator(K16)
     exp = ControllerExporter()
