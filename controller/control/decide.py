@@ -262,26 +262,19 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         )
 
     # 1. someone else's knobs, or a setting derived from them: pause
+    foreign = ""
     if signals.drift:
+        foreign = f"{signals.drift}: changed by someone else; paused, not fighting (slotune "
+        foreign += "control --ack writes slotune's own again)"
+    elif signals.live is not None and signals.live != cur:
+        foreign = f"the deployment runs {signals.live} but slotune last wrote {cur}: changed "
+        foreign += "by someone else; paused, not fighting (slotune control --ack adopts it)"
+    if foreign:
         return Decision(
             outcome=Outcome.INCONCLUSIVE,
             action=Action.PAUSE,
             knobs=cur,
-            reason=(
-                f"{signals.drift}: changed by someone else; paused, not fighting (slotune "
-                "control --ack writes slotune's own again)"
-            ),
-            state=replace(st, calm_since=None),
-        )
-    if signals.live is not None and signals.live != cur:
-        return Decision(
-            outcome=Outcome.INCONCLUSIVE,
-            action=Action.PAUSE,
-            knobs=cur,
-            reason=(
-                f"the deployment runs {signals.live} but slotune last wrote {cur}: changed "
-                "by someone else; paused, not fighting (slotune control --ack adopts it)"
-            ),
+            reason=foreign,
             state=replace(st, calm_since=None),
         )
 
