@@ -324,10 +324,11 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     # 3. tighten at once
     violated_tpot = o.tpot_verdict is not None and o.tpot_verdict.verdict is Verdict.VIOLATED
     violated_ttft = o.ttft_verdict is not None and o.ttft_verdict.verdict is Verdict.VIOLATED
-    # Near the SLO is judged on the level of these knobs: the mean share of every window
-    # judged at them (at least near_windows), not on one window, which is within the noise
-    # of a p99 near the operating point (a simulated day's windows at one batch read +-4%;
-    # two in a row over 95% then ratcheted the batch down where p99 hardly moved with it)
+    # Near the SLO is judged on the level of these knobs: the mean share of the windows
+    # judged at them in the last stabilization_s (at least near_windows of them), not on one
+    # window, which is within the noise of a p99 near the operating point (a simulated
+    # day's windows at one batch read +-4%; two in a row over 95% then ratcheted the batch
+    # down where p99 hardly moved with it)
     if math.isfinite(ttft_share) and math.isfinite(tpot_share):
         horizon = max(policy.stabilization_s, policy.near_windows * o.window_s)
         level = (*st.level, (now, ttft_share, tpot_share))
