@@ -173,7 +173,7 @@ def run_control(
                     marker.unlink(missing_ok=True)
                     say(f"acknowledged: degraded latch cleared, running {state.knobs}")
                     if drift:  # slotune writes its own again: no decision on this window
-                        state, fault = _restore(state, actuator, config.dry_run, drift)
+                        fault = fault or _restore(state, actuator, config.dry_run, drift)
                         drift = ""
                 try:
                     scaling = actuator.scaling()
@@ -230,20 +230,19 @@ def _read(reader: WindowReader, token: Any, start: float, end: float) -> tuple[O
         return empty, f"the metrics could not be read ({e})"
 
 
-def _restore(state: State, actuator: Actuator, dry_run: bool, drift: str) -> tuple[State, str]:
+def _restore(state: State, actuator: Actuator, dry_run: bool, drift: str) -> str:
     """After ``--ack`` of a foreign change slotune's knobs cannot show (``drift``): write
-    slotune's own config for its knobs again (not when dry); the state, and the fault that
-    holds this tick."""
+    slotune's own config for its knobs again (not when dry); why this tick then holds."""
     if dry_run:
-        return state, f"acknowledged ({drift}); a dry run writes nothing"
+        return f"acknowledged ({drift}); a dry run writes nothing"
     try:
         actuator.apply(state.knobs)
     except ActuatorError as e:
         raise ControlFailed(f"applying {state.knobs} after --ack failed: {e}") from None
     except Exception as e:  # transient: the next tick sees the change still, and pauses
         log.warning("writing %s again after --ack failed: %s", state.knobs, e)
-        return state, f"acknowledged ({drift}); writing slotune's config again failed: {e}"
-    return state, f"acknowledged ({drift}); slotune's config for {state.knobs} written again"
+        return f"acknowledged ({drift}); writing slotune's config again failed: {e}"
+    return f"acknowledged ({drift}); slotune's config for {state.knobs} written again"
 
 
 def _act(
