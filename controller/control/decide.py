@@ -153,16 +153,12 @@ class Decision:
         return self.action in (Action.TIGHTEN, Action.LOOSEN, Action.ROLLBACK)
 
 
-# A change of the knobs starts their level afresh: no window judged at them yet.
-_FRESH: dict[str, object] = {"level": ()}
-
-
 def acknowledge(state: State, live: Knobs | None) -> State:
     """An operator's ``--ack``: clear the degraded latch and adopt the live knobs (after a
     drift pause); loosening waits a fresh stabilization window."""
     knobs = live or state.knobs
-    fresh = _FRESH if knobs != state.knobs else {}
-    return replace(state, degraded="", rolled_back=False, knobs=knobs, calm_since=None, **fresh)  # type: ignore[arg-type]
+    level = state.level if knobs == state.knobs else ()  # other knobs: no window at them yet
+    return replace(state, degraded="", rolled_back=False, knobs=knobs, calm_since=None, level=level)
 
 
 def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
@@ -251,7 +247,8 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         predicted: float = math.nan,
         **kw: object,
     ) -> Decision:
-        s = replace(st, knobs=new, last_change_s=now, **_FRESH, **kw)  # type: ignore[arg-type]
+        # new knobs: their level starts afresh, no window judged at them yet
+        s = replace(st, knobs=new, last_change_s=now, level=(), **kw)  # type: ignore[arg-type]
         return Decision(
             outcome=outcome,
             action=action,
