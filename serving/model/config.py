@@ -22,6 +22,44 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("bfloat16", "float32", "float16")
+ARCHITECTURES = ("llama", "mistral", "qwen2")  # Hugging Face model_type values that load
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Rotary frequency rescaling for contexts past the pretraining length, as a
+    checkpoint's ``rope_scaling`` (or transformers 5's ``rope_parameters``) states it.
+
+    - ``linear``: every position divided by ``factor`` (inverse frequencies / factor);
+    - ``llama3`` (Llama 3.1-3.3): wavelengths longer than ``original_max_position /
+      low_freq_factor`` are stretched by ``factor``, those shorter than ``original_max_position
+      / high_freq_factor`` are kept, and those between are interpolated
+      (serving/model/layers.py ``inverse_frequencies``).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(
+                f"rope_scaling type {self.kind!r}: must be one of {', '.join(ROPE_SCALINGS)}"
+            )
+        if not self.factor >= 1:
+            raise ValueError(f"rope_scaling factor={self.factor!r}: must be >= 1")
+        if self.kind == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor and self.original_max_position > 0
+        ):
+            raise ValueError(
+                f"rope_scaling llama3 low_freq_factor={self.low_freq_factor!r}, "
+                f"high_freq_factor={self.high_freq_factor!r}, "
+                f"original_max_position_embeddings={self.original_max_position!r}: need "
+                "0 < low < high and a positive original length"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +77,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dtype: str = "bfloat16"
     tie_embeddings: bool = False
+    architecture: str = "llama"  # the Hugging Face model_type a checkpoint states
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -62,6 +103,10 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim}: must be even (rotary embeddings)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture={self.architecture!r}: must be one of {', '.join(ARCHITECTURES)}"
+            )
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ValueError(
                 f"rope_theta={self.rope_theta!r}, norm_eps={self.norm_eps!r}: must be positive"
@@ -89,7 +134,8 @@ class ModelConfig:
     def layer_params(self) -> int:
         d, i = self.d_model, self.intermediate_size
         attn = d * self.q_dim * 2 + d * self.kv_dim * 2
-        return attn + 3 * d * i + 2 * d  # + two RMSNorm weights
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return attn + bias + 3 * d * i + 2 * d  # + two RMSNorm weights
 
     @property
     def n_params(self) -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,10 +36,29 @@ class RMSNorm(nn.Module):
 ROPE_TABLE_DEFAULT = 4096  # positions tabulated before a cache asks for more
 
 
-def rope_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [length, head_dim] in fp32."""
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2] in fp32, rescaled as ``cfg.rope_scaling``
+    says (the formulas of Llama 3.1's and of position-interpolation's papers, as the
+    ``llama3`` and ``linear`` rope types of transformers' modeling_rope_utils.py state them)."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs.kind == "linear":
+        return inv_freq / rs.factor
+    # llama3: a wavelength (positions per turn) past original / low_freq_factor is
+    # stretched by factor, one under original / high_freq_factor is kept, and one between
+    # is blended, linearly in original / wavelength from low_freq_factor to high_freq_factor.
+    wavelength = 2 * math.pi / inv_freq
+    ratio = rs.original_max_position / wavelength  # turns within the pretraining length
+    blend = ((ratio - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)).clamp(0, 1)
+    return (1 - blend) * inv_freq / rs.factor + blend * inv_freq
+
+
+def rope_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [length, head_dim] in fp32."""
+    inv_freq = inverse_frequencies(cfg)
     t = torch.arange(length, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]

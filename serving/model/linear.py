@@ -20,7 +20,7 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) that can use a oneDNN-prepacked copy of its weight on CPU.
+    """``nn.Linear`` that can use a oneDNN-prepacked copy of its weight on CPU.
 
     ``F.linear`` in bf16 streams a skinny decode GEMM at a fraction of the
     memory bandwidth here (measured 17-23 GB/s at batch 1 against 35-49 GB/s for
@@ -30,6 +30,8 @@ class Linear(nn.Linear):
 
     ``parts``: for a fused linear, the Hugging Face names and row counts of the
     weights stacked in it, in order (``(("q_proj", 768), ("k_proj", 256), ...)``).
+    ``bias`` (Qwen2's q/k/v): the C kernels take no bias, so a linear with one never gets
+    their copies (``Transformer.use_cpu_kernels``); its other paths add it in the GEMM.
     """
 
     packed: torch.Tensor | None = None
@@ -44,9 +46,14 @@ class Linear(nn.Linear):
     cols16: torch.Tensor | None = None
 
     def __init__(
-        self, in_features: int, out_features: int, *, parts: tuple[tuple[str, int], ...] = ()
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        parts: tuple[tuple[str, int], ...] = (),
+        bias: bool = False,
     ) -> None:
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features, bias=bias)
         if parts and sum(n for _, n in parts) != out_features:
             raise ValueError(f"parts={parts!r}: rows must sum to out_features={out_features}")
         self.parts = parts
@@ -69,14 +76,17 @@ class Linear(nn.Linear):
         if self._gemm_fits(x):
             return self.kernels.gemm(x, self.cols16, self.out_features)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.w32 is not None and x.dtype == torch.bfloat16:
-            return F.linear(x.float(), self.w32).to(x.dtype)
-        return F.linear(x, self.weight)
+            b32 = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.w32, b32).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` as one op, rounded once to the dtype: prepacked, the
         add is a oneDNN post-op; otherwise ``addmm`` (the same bits, measured)."""
+        if self.bias is not None:  # no fused form carries a bias as well
+            return residual + self.forward(x)
         if self._gemv_fits(x) and residual.is_contiguous():
             return self.kernels.gemv(x, self.rows8, self.out_features, residual)
         if self._gemm_fits(x) and residual.is_contiguous():
@@ -117,29 +127,55 @@ def widens_bf16(weight: torch.Tensor) -> bool:
     return cpu_bf16 and not bf16_matmul_native()
 
 
+def _tensor_kinds(linear: Linear) -> tuple[str, ...]:
+    return ("weight",) if linear.bias is None else ("weight", "bias")
+
+
 def _split_fused(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-    """state_dict post-hook: each fused ``<name>.weight`` -> its Hugging Face parts (views)."""
+    """state_dict post-hook: each fused ``<name>.weight`` (and ``.bias``) -> its Hugging
+    Face parts (views)."""
     for child_name, child in module.named_children():
         if isinstance(child, Linear) and child.parts:
-            key = f"{prefix}{child_name}.weight"
-            keys = list(state)
-            after = keys[keys.index(key) + 1 :]
-            fused = state.pop(key)
             rows = [n for _, n in child.parts]
-            for (hf, _), w in zip(child.parts, fused.split(rows), strict=True):
-                state[f"{prefix}{hf}.weight"] = w
-            if isinstance(state, OrderedDict):  # keep the Hugging Face order
-                for k in after:
-                    state.move_to_end(k)
+            for kind in _tensor_kinds(child):
+                key = f"{prefix}{child_name}.{kind}"
+                keys = list(state)
+                after = keys[keys.index(key) + 1 :]
+                fused = state.pop(key)
+                for (hf, _), w in zip(child.parts, fused.split(rows), strict=True):
+                    state[f"{prefix}{hf}.{kind}"] = w
+                if isinstance(state, OrderedDict):  # keep the Hugging Face order
+                    for k in after:
+                        state.move_to_end(k)
 
 
 def _stack_hf(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
     """load_state_dict pre-hook: Hugging Face ``q_proj/k_proj/v_proj`` -> fused ``qkv_proj``."""
     for child_name, child in module.named_children():
         if isinstance(child, Linear) and child.parts:
-            keys = [f"{prefix}{hf}.weight" for hf, _ in child.parts]
-            if all(k in state for k in keys):
-                state[f"{prefix}{child_name}.weight"] = torch.cat([state.pop(k) for k in keys])
+            for kind in _tensor_kinds(child):
+                keys = [f"{prefix}{hf}.{kind}" for hf, _ in child.parts]
+                if all(k in state for k in keys):
+                    state[f"{prefix}{child_name}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+
+
+def hf_tensors(module: nn.Module, prefix: str = "") -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Every Hugging Face tensor name of ``module``'s parameters -> (the parameter, first
+    row, rows): a fused linear's part is a row range of its weight (and bias). What a
+    checkpoint loader copies each stored tensor into, one at a time
+    (serving/model/checkpoint.py)."""
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for name, sub in module.named_modules(prefix=prefix):
+        for kind, p in sub.named_parameters(recurse=False):
+            if isinstance(sub, Linear) and sub.parts:
+                parent, _, _ = name.rpartition(".")  # q_proj sits beside qkv_proj
+                row = 0
+                for hf, n in sub.parts:
+                    out[f"{parent}.{hf}.{kind}" if parent else f"{hf}.{kind}"] = (p, row, n)
+                    row += n
+            else:
+                out[f"{name}.{kind}" if name else kind] = (p, 0, p.shape[0])
+    return out
 
 
 class FusedHF(nn.Module):

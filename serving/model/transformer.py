@@ -1,14 +1,15 @@
 """A Llama-style decoder in plain torch, with a KV cache allocated once.
 
-RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention; both in
-serving/model/layers.py), grouped-query attention, SwiGLU. Sampling: serving/model/sampling.py.
+RMSNorm, rotary embeddings (the Hugging Face ``rotate_half`` convention, with Llama 3's
+frequency rescaling; both in serving/model/layers.py), grouped-query attention, SwiGLU,
+optional q/k/v biases (Qwen2). Sampling: serving/model/sampling.py.
 
 Fused linears: q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj`` (weights
 stacked by rows): 4 linears a layer, not 7, since fewer, bigger GEMVs stream closer to
 the memory bandwidth. ``state_dict`` still speaks the Hugging Face Llama layout:
 state-dict hooks split the fused weights on save and stack the Hugging Face ones on
-load, so a local safetensors checkpoint loads with ``load_state_dict``
-(serving/model/checkpoint.py).
+load, and ``linear.hf_tensors`` maps each Hugging Face name to its rows, which a local
+safetensors checkpoint is copied into tensor by tensor (serving/model/checkpoint.py).
 
 The KV cache is one buffer per layer, ``[2, max_slots, n_kv_heads, max_len,
 head_dim]`` (K at index 0, V at 1), allocated once by
@@ -73,6 +74,7 @@ class Attention(FusedHF):
             cfg.d_model,
             cfg.q_dim + 2 * cfg.kv_dim,
             parts=(("q_proj", cfg.q_dim), ("k_proj", cfg.kv_dim), ("v_proj", cfg.kv_dim)),
+            bias=cfg.qkv_bias,
         )
         self.o_proj = Linear(cfg.q_dim, cfg.d_model)
         self.register_buffer("kv_cache", torch.empty(0), persistent=False)
@@ -218,10 +220,7 @@ class Transformer(nn.Module):
     def for_timing(cls, cfg: ModelConfig, *, device: str | torch.device = "cpu") -> Transformer:
         """Real-size weights drawn on the device in cfg.dtype, no seed: for timing only
         (the calibration, search/calibrate/step.py), quicker than :meth:`random`."""
-        with torch.device("meta"):
-            model = cls(cfg)
-        model.to_empty(device=device)
-        model.to(dtype=torch_dtype(cfg.dtype))
+        model = cls.empty(cfg, device=device)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -229,6 +228,19 @@ class Transformer(nn.Module):
                 else:
                     p.normal_(0.0, 0.02)
         return model.prepare(device)
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, *, device: str | torch.device = "cpu") -> Transformer:
+        """Uninitialized weights on ``device`` in cfg.dtype: built on the meta device (no
+        memory, no initialisation) and given storage once, in the serving dtype (never a
+        float32 copy first). The caller fills every parameter, then calls :meth:`prepare`."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to(dtype=torch_dtype(cfg.dtype))  # still meta: free
+        model.to_empty(device=device)
+        if cfg.tie_embeddings:  # to_empty gives each module its own storage: tie again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
 
     def prepare(self, device: str | torch.device) -> Transformer:
         """Move to device in cfg.dtype for inference (no gradients)."""
@@ -301,8 +313,9 @@ class Transformer(nn.Module):
                 if isinstance(m, RMSNorm):
                     m.kernels = k
                 elif isinstance(m, Linear):
-                    gemv = k is not None and k.supports_gemv(m.out_features, m.in_features)
-                    gemm = k is not None and k.supports_gemm(m.out_features)
+                    plain = k is not None and m.bias is None  # the kernels add no bias
+                    gemv = plain and k.supports_gemv(m.out_features, m.in_features)
+                    gemm = plain and k.supports_gemm(m.out_features)
                     had_gemm = m.cols16 is not None
                     m.kernels = k if gemv or gemm else None
                     m.rows8 = k.pack_rows8(m.weight) if gemv else None

@@ -205,7 +205,7 @@ def test_without_bf16_hardware_linears_and_attention_multiply_in_fp32(monkeypatc
     calls = []
     real = torch.nn.functional.linear
     monkeypatch.setattr(
-        torch.nn.functional, "linear", lambda x, w: calls.append(w.dtype) or real(x, w)
+        torch.nn.functional, "linear", lambda x, w, b=None: calls.append(w.dtype) or real(x, w, b)
     )
     wide = m(toks, pos, last_only=False)
     assert calls and set(calls) == {torch.float32}
