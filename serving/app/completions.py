@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -56,11 +57,11 @@ def json_error(e: oa.ApiError, headers: dict[str, str] | None = None) -> JSONRes
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def request_stop_ids(req: oreq.CompletionRequest, *, eos_id: int | None) -> frozenset[int]:
-    """The ids that end ``req``: the tokenizer's EOS unless ``ignore_eos``, and its
+def request_stop_ids(req: oreq.CompletionRequest, *, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The ids that end ``req``: every EOS id of the model unless ``ignore_eos``, and its
     ``stop_token_ids`` (vLLM's ``ignore_eos`` leaves ``stop_token_ids`` in force)."""
-    eos = () if req.ignore_eos or eos_id is None else (eos_id,)
-    return frozenset(eos + req.stop_token_ids)
+    eos = frozenset() if req.ignore_eos else eos_ids
+    return eos | frozenset(req.stop_token_ids)
 
 
 class CompletionHandler:
@@ -91,7 +92,6 @@ class CompletionHandler:
         self.admission = admission
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.eos_id: int | None = getattr(self.tokenizer, "eos_id", None)
         context = engine.engine.scheduler.config.max_len
         self.max_request_bytes = args.request_bytes_limit(context)
         self.max_prompt_chars = context * self.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
@@ -110,8 +110,14 @@ class CompletionHandler:
             raw = await self._read_body(request)
             body = oa.parse_json_body(raw)
             del raw
-            parse = oreq.parse_chat_request if chat else oreq.parse_completion_request
-            req = parse(body, served_model=self.args.served_name)
+            if chat:
+                req = oreq.parse_chat_request(
+                    body,
+                    served_model=self.args.served_name,
+                    chat_template=self.tokenizer.chat_template,
+                )
+            else:
+                req = oreq.parse_completion_request(body, served_model=self.args.served_name)
             prompt_ids = await self._prompt_ids(req)
             max_tokens = req.max_tokens
             if max_tokens is None:  # chat without a limit: what the context leaves
@@ -120,7 +126,7 @@ class CompletionHandler:
                 self.engine.validate(prompt_ids, max_tokens)
             except ValueError as e:
                 raise oa.ApiError(str(e), param="prompt") from None
-            stop_ids = request_stop_ids(req, eos_id=self.eos_id)
+            stop_ids = request_stop_ids(req, eos_ids=self.tokenizer.eos_ids)
             self._check_min_tokens(req.min_tokens, max_tokens, stop_ids)
         except oa.ApiError as e:
             self.metrics().record_rejected(
@@ -257,9 +263,14 @@ class CompletionHandler:
                 param="prompt",
             )
         try:
+            specials = req.add_special_tokens
             if n <= TOKENIZE_INLINE_CHARS:
-                return list(self.tokenizer.encode(req.prompt))
-            return list(await asyncio.to_thread(self.tokenizer.encode, req.prompt))
+                return list(self.tokenizer.encode(req.prompt, add_special_tokens=specials))
+            return list(
+                await asyncio.to_thread(
+                    partial(self.tokenizer.encode, add_special_tokens=specials), req.prompt
+                )
+            )
         except (ValueError, TypeError) as e:  # UnicodeError is a ValueError
             raise oa.ApiError(f"prompt: cannot be tokenized ({e})", param="prompt") from None
 

@@ -3,7 +3,8 @@
 Pure functions and frozen dataclasses, no Ray and no torch: the Ray Serve app
 (serving/app/completions.py) calls them, tests call them directly. A chat request becomes the
 same :class:`CompletionRequest` as a completion, its prompt rendered from the messages
-by the plain chat template (serving/model/tokenizer.py ``render_chat``).
+by the model's own chat template where it has one (serving/model/chat_template.py), else
+by the plain one (serving/model/tokenizer.py ``render_chat``).
 
 Which fields each endpoint knows, which are accepted at their default only, and what
 happens to unknown ones: serving/app/openai_fields.py (docs/serving.md "Client
@@ -24,6 +25,7 @@ from typing import Any
 
 from serving.app.openai_api import ApiError, short, text_prompt
 from serving.app.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from serving.model.chat_template import ChatTemplate
 from serving.model.tokenizer import render_chat
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -58,6 +60,9 @@ class CompletionRequest:
     ignore_eos: bool = False  # generate past EOS until max_tokens
     min_tokens: int = 0  # no stop id and no stop string before this many tokens
     chat: bool = False  # answer in the chat.completion format
+    # whether the tokenizer adds its special tokens (BOS) to a text prompt: not to a
+    # prompt from the model's chat template, which writes its own
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, str):
@@ -108,8 +113,11 @@ def parse_completion_request(body: object, *, served_model: str) -> CompletionRe
     )
 
 
-def parse_chat_request(body: object, *, served_model: str) -> CompletionRequest:
-    """Validate a decoded ``/v1/chat/completions`` body (see :func:`parse_completion_request`)."""
+def parse_chat_request(
+    body: object, *, served_model: str, chat_template: ChatTemplate | None = None
+) -> CompletionRequest:
+    """Validate a decoded ``/v1/chat/completions`` body (see :func:`parse_completion_request`)
+    and render its messages with ``chat_template`` (None: the plain template)."""
     body = _object(body)
     check_fields(body, CHAT_FIELDS)
     model = _model(body, served_model)
@@ -120,11 +128,20 @@ def parse_chat_request(body: object, *, served_model: str) -> CompletionRequest:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
+    messages = _messages(body["messages"])
+    if chat_template is None:
+        text = render_chat(messages, generation_prompt=add_prompt)
+    else:
+        try:
+            text = chat_template.render(messages, add_generation_prompt=add_prompt)
+        except ValueError as e:
+            raise ApiError(str(e), param="messages") from None
     return CompletionRequest(
         model=model,
-        prompt=text_prompt(render_chat(_messages(body["messages"]), generation_prompt=add_prompt)),
+        prompt=text_prompt(text),
         max_tokens=max_tokens,
         chat=True,
+        add_special_tokens=chat_template is None,
         **_options(body),
     )
 

@@ -10,9 +10,10 @@ serving/app/config.py.
 Routes (relative to the route prefix):
 
 - ``POST /v1/completions``: OpenAI completions, SSE with ``stream: true``.
-- ``POST /v1/chat/completions``: OpenAI chat completions (the plain chat template of
-  serving/model/tokenizer.py), SSE with ``stream: true``. Which request fields are
-  honoured, accepted at their default only, or ignored: serving/app/openai_fields.py.
+- ``POST /v1/chat/completions``: OpenAI chat completions (the checkpoint's chat template,
+  else the plain one of serving/model/tokenizer.py), SSE with ``stream: true``. Which
+  request fields are honoured, accepted at their default only, or ignored:
+  serving/app/openai_fields.py.
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while the engine's step loop is alive.
 - ``GET /stats``: engine stats, pid, the applied live config, and what the process

@@ -202,6 +202,7 @@ def test_local_tokenizer_json_is_used(tmp_path) -> None:
     assert isinstance(tok, HFTokenizer)
     assert tok.encode("hello world") == [1, 2]
     assert tok.decode([1, 2]) == "hello world"
-    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (3, 0, 4)
+    assert (tok.bos_id, tok.eos_ids, tok.vocab_size) == (3, {0}, 4)
+    assert tok.chat_template is None
     with pytest.raises(ValueError, match="4 ids but the model's vocab_size is 3"):
         load_tokenizer(tmp_path, vocab_size=3)

@@ -530,9 +530,9 @@ def test_ignore_eos_drops_only_eos_from_the_stop_ids() -> None:
 
     def stop_ids(**body: object) -> frozenset[int]:
         req = oreq.parse_completion_request({"prompt": "x"} | body, served_model=MODEL)
-        return request_stop_ids(req, eos_id=EOS)
+        return request_stop_ids(req, eos_ids=frozenset((EOS, 99)))
 
-    assert stop_ids() == {EOS}
+    assert stop_ids() == {EOS, 99}  # every end id of the model
     assert stop_ids(ignore_eos=True) == frozenset()
     assert stop_ids(ignore_eos=True, stop_token_ids=[46]) == {46}
-    assert stop_ids(stop_token_ids=[46, 46]) == {EOS, 46}
+    assert stop_ids(stop_token_ids=[46, 46]) == {EOS, 99, 46}
