@@ -117,8 +117,13 @@ class Engine:
         num_threads: int | None = None,
         prepack: bool = True,
         cpu_kernels: bool = True,
+        device_decode: bool | None = None,
+        cuda_graphs: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``device_decode``: decode steps of fixed shapes (serving/engine/device_decode.py;
+        None: on CUDA, where ``cuda_graphs`` None captures them); the CPU's default is the
+        C kernels' path."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: CUDA is not available here")
         if device == "cpu":
@@ -147,7 +152,12 @@ class Engine:
         self.max_len = max_len
         self.model.allocate_cache(max_slots, max_len)
         self.executor = TorchExecutor(
-            model=self.model, device=self.device, max_len=max_len, seed=seed
+            model=self.model,
+            device=self.device,
+            max_len=max_len,
+            seed=seed,
+            device_decode=device_decode,
+            cuda_graphs=cuda_graphs,
         )
         self.tokenizer: Tokenizer = load_tokenizer(checkpoint, vocab_size=self.config.vocab_size)
         self.clock = clock

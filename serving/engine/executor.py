@@ -6,7 +6,12 @@
   dummy row that writes at position ``max_len - 1``, a position no request
   ever reads (the last token a request may feed is at ``max_len - 2``).
   Otherwise it gathers the slots with ``index_select``.
-- Prefill: one forward per chunk (batch 1).
+  On a GPU (or when asked) decode steps take the device path instead
+  (serving/engine/device_decode.py): fixed shapes, CUDA graphs, one sync a step.
+- Prefill: one forward per chunk (batch 1) on the CPU; on the device path the chunks of a
+  step in one forward, one row each, left-padded to the longest (the pads sit at
+  position ``max_len - 1``, written and never read, like the dummy rows above, so each
+  row's last position is its chunk's last token).
 - Linears: on CPU in bf16 the engine prepacks the weights for oneDNN
   (``Transformer.prepack``): bit-identical results, several times the bandwidth
   of ``F.linear`` for skinny decode GEMMs.
@@ -23,9 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
+from serving.engine.device_decode import DeviceDecode, Staging
 from serving.model.sampling import sample
 from serving.model.transformer import Transformer
-from serving.scheduler.plan import DecodeEntry, StepPlan
+from serving.scheduler.plan import DecodeEntry, PrefillChunk, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +40,33 @@ DENSE_SPAN = 1.5  # read a slot range as a view if it is at most this many times
 
 class TorchExecutor:
     def __init__(
-        self, *, model: Transformer, device: torch.device, max_len: int, seed: int = 0
+        self,
+        *,
+        model: Transformer,
+        device: torch.device,
+        max_len: int,
+        seed: int = 0,
+        device_decode: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """``device_decode``: decode steps by :class:`DeviceDecode` (None: on CUDA);
+        ``cuda_graphs``: whether it captures them (None: on CUDA)."""
         self.model, self.device, self.max_len = model, device, max_len
         self._gen = torch.Generator(device=device).manual_seed(seed)
+        self.staging = Staging(device)
+        use = device.type == "cuda" if device_decode is None else device_decode
+        self.device_decode = (
+            DeviceDecode(
+                model,
+                max_slots=model.max_slots,
+                max_len=max_len,
+                generator=self._gen,
+                cuda_graphs=cuda_graphs,
+                staging=self.staging,
+            )
+            if use
+            else None
+        )
 
     @torch.inference_mode()
     def execute(
@@ -48,28 +77,49 @@ class TorchExecutor:
     ) -> dict[str, int]:
         """Run the model for one plan; returns the token each sampling request drew
         (never one of its ``bans``)."""
-        rows: list[str] = []
+        self.staging.reset()  # the last step ended with a sync: its copies are done
+        rows: list[str | None] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
             rows_d, logits_d = self._decode(plan)
             rows += rows_d
             logits.append(logits_d)
-        for c in plan.prefill:
-            assert c.token_ids is not None, "the engine always passes prompt ids"
-            toks = torch.tensor([c.token_ids], device=self.device)  # [1, L]
-            pos = torch.arange(c.start, c.start + c.length, device=self.device)[None]  # [1, L]
-            slot = torch.tensor([c.slot], device=self.device)  # [1]
-            out = self.model(toks, pos, slot, slot_start=c.slot)  # [1, V]
-            if c.last:
-                rows.append(c.request_id)
-                logits.append(out)
-        if not rows:
+        # Prefill chunks in one forward on the device path (a GPU has compute to spare
+        # and pays per launch); one at a time on the CPU, where prefill is compute-bound
+        # and left-padding the shorter chunks would add work.
+        on_device = self.device_decode is not None and plan.prefill
+        batches = [plan.prefill] if on_device else [[c] for c in plan.prefill]
+        for chunks in batches:
+            rows_p, logits_p = self._prefill(chunks)
+            rows += rows_p
+            logits.append(logits_p)
+        if not any(r is not None for r in rows):
             return {}
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [R, V]
-        return draw(rows, all_logits, temps, self._gen, bans)
+        return draw(rows, all_logits, temps, self._gen, bans, staging=self.staging)
 
-    def _decode(self, plan: StepPlan) -> tuple[list[str], torch.Tensor]:
+    def _prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[list[str | None], torch.Tensor]:
+        """One forward for every chunk of the step: [N, T] left-padded rows."""
+        t = max(c.length for c in chunks)
+        tok: list[int] = []
+        pos: list[int] = []
+        for c in chunks:
+            assert c.token_ids is not None, "the engine always passes prompt ids"
+            pad = t - c.length
+            tok += [0] * pad + list(c.token_ids)
+            pos += [self.max_len - 1] * pad + list(range(c.start, c.start + c.length))
+        slots = [c.slot for c in chunks]
+        put = self.staging.put
+        toks = put(tok, torch.int64).view(len(chunks), t)  # [N, T]
+        poss = put(pos, torch.int64).view(len(chunks), t)  # [N, T]
+        run = all(b == a + 1 for a, b in zip(slots, slots[1:], strict=False))
+        out = self.model(toks, poss, put(slots, torch.int64), slot_start=slots[0] if run else None)
+        return [c.request_id if c.last else None for c in chunks], out  # [N, V]
+
+    def _decode(self, plan: StepPlan) -> tuple[list[str | None], torch.Tensor]:
         entries = sorted(plan.decode, key=lambda e: e.slot)
+        if self.device_decode is not None:
+            return self.device_decode.logits(entries)
         tokens, positions, slots, start, keep = decode_inputs(entries, self.max_len, self.device)
         logits = self.model(tokens, positions, slots, slot_start=start)  # [span or B, V]
         if keep is not None:  # drop the dummy rows (a copy of [B, V] fp32 logits)
@@ -114,21 +164,38 @@ def decode_inputs(
 
 
 def draw(
-    rows: list[str],
+    rows: Sequence[str | None],
     logits: torch.Tensor,
     temps: dict[str, float],
     gen: torch.Generator,
     bans: dict[str, tuple[int, ...]] | None = None,
+    *,
+    staging: Staging | None = None,
 ) -> dict[str, int]:
     """The host work after a forward: sample one token per row of ``logits`` [R, V]
-    (fp32) at each request's temperature and hand them back to Python. ``bans``: ids a
-    request may not sample (its logits become -inf in place: ``min_tokens``)."""
+    (fp32) at each request's temperature and hand them back to Python (the step's one
+    wait for the device). Rows named None are dropped (dummy rows, prefill chunks that do
+    not end a prompt). ``bans``: ids a request may not sample (its logits become -inf in
+    place: ``min_tokens``). ``staging``: how lists reach the device (serving/engine/
+    device_decode.py ``Staging``; None: a plain copy)."""
+    put = staging.put if staging is not None else _plain_put(logits.device)
+    if any(r is None for r in rows):  # sample the requests' rows only, as if alone
+        keep = [i for i, r in enumerate(rows) if r is not None]
+        logits = logits.index_select(0, put(keep, torch.int64))  # [R', V]
+        rows = [rows[i] for i in keep]
     if bans:
         r_idx = [i for i, r in enumerate(rows) for _ in bans.get(r, ())]
         v_idx = [t for r in rows for t in bans.get(r, ())]
-        if r_idx:
-            logits[r_idx, v_idx] = -math.inf  # [R, V] at the banned (row, id) pairs
+        if r_idx:  # [R, V] at the banned (row, id) pairs
+            logits[put(r_idx, torch.int64), put(v_idx, torch.int64)] = -math.inf
     tl = [temps.get(r, 0.0) for r in rows]
-    t = torch.tensor(tl, device=logits.device)  # [R]
+    t = put(tl, torch.float32)  # [R]
     drawn = sample(logits, t, gen, any_hot=any(x > 0 for x in tl)).tolist()
     return dict(zip(rows, drawn, strict=True))
+
+
+def _plain_put(device: torch.device):
+    def put(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return put

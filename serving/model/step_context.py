@@ -14,6 +14,25 @@ import torch
 from serving.kernels.cpu_kernels import Kernels
 
 
+def cache_rows(
+    slots: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [B, T]
+    max_slots: int,
+    n_kv_heads: int,
+    max_len: int,
+) -> torch.Tensor:
+    """The rows a step writes in a layer's cache viewed as [2*S*Hkv*L, D]: row of (K|V j,
+    slot, kv head h, position p) = ((j*S + slot)*Hkv + h)*L + p, ordered [B, T, 2*Hkv] like
+    the k|v half of the qkv output, so one ``index_put_`` writes both."""
+    dev = positions.device
+    j = torch.arange(2, device=dev)[:, None]  # [2, 1]
+    hh = torch.arange(n_kv_heads, device=dev)[None, :]  # [1, Hkv]
+    within = (j * max_slots * n_kv_heads + hh) * max_len  # [2, Hkv]
+    base = slots * (n_kv_heads * max_len)  # [B]
+    rows = base[:, None, None, None] + within + positions[:, :, None, None]  # [B, T, 2, Hkv]
+    return rows.flatten(2)  # [B, T, 2*Hkv]
+
+
 class StepContext:
     """Where one forward writes and reads the cache, its rotary factors and its mask;
     built once per step, shared by every layer."""
@@ -46,15 +65,7 @@ class StepContext:
         self.cos = cos[positions].unsqueeze(2)  # [B, T, 1, D]
         self.sin = sin_signed[positions].unsqueeze(2)  # [B, T, 1, D]
         if slots is not None:
-            # Row of (K|V j, slot, kv head h, position p) in a cache viewed as
-            # [2*S*Hkv*L, D]: ((j*S + slot)*Hkv + h)*L + p; ordered [B, T, 2, Hkv]
-            # like the k|v half of the qkv output, so one index_put_ writes both.
-            j = torch.arange(2, device=dev)[:, None]  # [2, 1]
-            hh = torch.arange(n_kv_heads, device=dev)[None, :]  # [1, Hkv]
-            within = (j * max_slots * n_kv_heads + hh) * kv_len  # [2, Hkv]
-            base = slots * (n_kv_heads * kv_len)  # [B]
-            rows = base[:, None, None, None] + within + positions[:, :, None, None]  # [B,T,2,Hkv]
-            self.rows = rows.flatten(2)  # [B, T, 2*Hkv]
+            self.rows = cache_rows(slots, positions, max_slots, n_kv_heads, kv_len)
         key_pos = torch.arange(kv_len, device=dev)  # [Lk]
         hidden = key_pos > positions[:, None, None, :, None]  # [B, 1, 1, T, Lk]
         g = n_heads // n_kv_heads

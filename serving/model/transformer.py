@@ -52,7 +52,7 @@ from serving.model.linear import (
     can_prepack,
     widens_bf16,
 )
-from serving.model.step_context import StepContext
+from serving.model.step_context import StepContext, cache_rows
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,29 @@ class Attention(FusedHF):
         out = grouped_attention(qg, keys, values, ctx.mask, d**-0.5)  # [B*Hkv, g*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
         return out
+
+    def window_forward(
+        self,
+        x: torch.Tensor,  # [B, 1, d_model]: rows of slots 0..B-1
+        cos: torch.Tensor,  # [B, 1, 1, D]
+        sin_signed: torch.Tensor,  # [B, 1, 1, D]
+        rows: torch.Tensor,  # [B, 1, 2*Hkv]: cache_rows of the step
+        visible: torch.Tensor,  # [B, 1, 1, W] bool: key positions each row attends to
+    ) -> torch.Tensor:
+        """A decode step of slots 0..B-1 reading the first W positions of their cache rows
+        (a view: no gather) with SDPA; see :meth:`Transformer.decode_window`."""
+        b = x.shape[0]
+        h, hkv, d = self.n_heads, self.n_kv, self.hd
+        w = visible.shape[-1]
+        qkv = self.qkv_proj.forward(x).view(b, 1, h + 2 * hkv, d)
+        apply_rope_(qkv.narrow(2, 0, h + hkv), cos, sin_signed)
+        self.kv_cache.view(-1, d).index_put_((rows,), qkv.narrow(2, h, 2 * hkv))
+        keys, values = self.kv_cache.narrow(1, 0, b).narrow(3, 0, w).unbind(0)  # [B,Hkv,W,D]
+        # The g query heads of a KV head as g query rows of it (Hugging Face repeat_kv
+        # order): no K/V expansion, and a kernel that takes a mask reads each key once.
+        q = qkv.narrow(2, 0, h).view(b, hkv, h // hkv, d)  # [B, Hkv, g, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=d**-0.5)
+        return out.reshape(b, 1, h * d)  # [B, Hkv, g, D] -> [B, 1, H*D]
 
 
 class MLP(FusedHF):
@@ -378,6 +401,37 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             x = layer.forward(x, ctx)
         return self.logits(x, last_only=last_only)
+
+    def decode_window(
+        self,
+        tokens: torch.Tensor,  # [B] int64: the token of slot i in row i
+        positions: torch.Tensor,  # [B] int64
+        window: int,
+    ) -> torch.Tensor:
+        """Logits [B, V] (fp32) of a decode step of slots 0..B-1, each at its own position,
+        attending to the first ``window`` positions of its cache row (at least its
+        position + 1; the keys past a row's position are masked, not read twice).
+
+        The device decode path (serving/engine/device_decode.py): fixed shapes for a
+        (B, window) pair, no host sync, cache read as views, so a step can be captured as
+        a CUDA graph. Rows without a request (holes among slots 0..B-1) take position
+        ``max_len - 1``, which no request reads, and their logits are discarded."""
+        cfg = self.config
+        b = tokens.shape[0]
+        x = self.model.embed_tokens(tokens).unsqueeze(1)  # [B, 1, d_model]
+        cos = self.rope_cos[positions][:, None, None, :]  # [B, 1, 1, D]
+        sin = self.rope_sin[positions][:, None, None, :]  # [B, 1, 1, D]
+        slots = torch.arange(b, device=tokens.device)  # [B]
+        rows = cache_rows(slots, positions[:, None], self.max_slots, cfg.n_kv_heads, self.max_len)
+        key_pos = torch.arange(window, device=tokens.device)  # [W]
+        visible = (key_pos <= positions[:, None]).view(b, 1, 1, window)  # [B, 1, 1, W]
+        for layer in self.model.layers:
+            attn = layer.self_attn.window_forward(
+                layer.input_layernorm.forward(x), cos, sin, rows, visible
+            )
+            x = layer.self_attn.o_proj.add_forward(attn, x)
+            x = layer.mlp.forward(layer.post_attention_layernorm.forward(x), x)
+        return self.logits(x)  # [B, V]
 
     def prologue(
         self,
