@@ -53,15 +53,37 @@ from search.roofline.curve import Roofline
 from search.roofline.hardware import HardwareSpec
 from search.roofline.models import ModelSpec
 from serving.engine.engine import Engine
+from serving.engine.executor import TorchExecutor
 from serving.model.config import ModelConfig
+from serving.model.transformer import Transformer
 from serving.scheduler.plan import DecodeEntry, StepPlan
 
 SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
+# --model: the serving presets, and an 8B shape (Llama 3.1 8B's, random weights drawn in
+# place on the device: nothing is downloaded) for the GPU.
+CATALOG = {"tiny": "slotune-tiny", "small": "slotune-small", "8b": "llama-3.1-8b"}
+# --paths: how a decode step runs. "engine": the engine's full-row path (on the CPU the C
+# kernels; on a GPU eager torch, the baseline); "window": the device path
+# (serving/engine/device_decode.py) without CUDA graphs; "graphs": with them (CUDA only).
+PATHS = ("engine", "window", "graphs")
+
+
+def config_for(name: str, dtype: str) -> ModelConfig:
+    if name in ("tiny", "small"):
+        return ModelConfig.from_name(name, dtype=dtype)
+    s = ModelSpec.from_name(CATALOG[name])
+    return ModelConfig(
+        name=name, vocab_size=s.vocab, d_model=s.hidden, n_layers=s.layers, n_heads=s.heads,
+        n_kv_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
+        max_position=8192, rope_theta=500000.0, dtype=dtype,
+    )  # fmt: skip
+
+
 def spec_for(cfg: ModelConfig) -> ModelSpec:
-    """The roofline catalog's twin of a serving preset; refuses if the shapes differ."""
-    spec = ModelSpec.from_name(f"slotune-{cfg.name}")
+    """The roofline catalog's twin of a model; refuses if the shapes differ."""
+    spec = ModelSpec.from_name(CATALOG[cfg.name])
     ours = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
     theirs = (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab)
     if ours != theirs:
@@ -69,10 +91,13 @@ def spec_for(cfg: ModelConfig) -> ModelSpec:
     return spec
 
 
-def time_step(eng: Engine, batch: int, context: int, reps: int, budget_s: float) -> list[float]:
-    """Seconds of each timed decode step after warm-up."""
+def time_step(
+    eng: Engine | TorchExecutor, batch: int, context: int, reps: int, budget_s: float
+) -> list[float]:
+    """Seconds of each timed decode step after warm-up (``eng``: an engine, or one of the
+    executors over its model and cache)."""
     gen = torch.Generator().manual_seed(batch)
-    toks = torch.randint(0, eng.config.vocab_size, (batch,), generator=gen).tolist()
+    toks = torch.randint(0, eng.model.config.vocab_size, (batch,), generator=gen).tolist()
     plan = StepPlan(
         decode=tuple(
             DecodeEntry(request_id=f"b{i}", slot=i, position=context - 1, token=toks[i])
@@ -81,6 +106,8 @@ def time_step(eng: Engine, batch: int, context: int, reps: int, budget_s: float)
     )
     temps = {f"b{i}": 0.0 for i in range(batch)}
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    if isinstance(eng, TorchExecutor):
+        eng.staging.reset()
     for _ in range(2):  # warm-up
         eng.execute(plan, temps)
     sync()
@@ -112,7 +139,10 @@ def predicted_parts(r: Roofline, batch: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="small", choices=("tiny", "small"))
+    ap.add_argument("--model", default="small", choices=tuple(CATALOG))
+    ap.add_argument(
+        "--paths", default="engine", help=f"decode paths to time, comma-separated: {PATHS}"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=tuple(SHORT_DTYPE))
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
@@ -131,18 +161,34 @@ def main() -> None:
     if args.passes < 1 or args.reps < 1:
         raise SystemExit(f"--passes={args.passes}, --reps={args.reps}: must be >= 1")
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = ModelConfig.from_name(args.model, dtype=args.dtype)
+    paths = args.paths.split(",")
+    bad = [p for p in paths if p not in PATHS] or (
+        ["graphs"] if "graphs" in paths and not args.device.startswith("cuda") else []
+    )
+    if bad or paths[0] != "engine":
+        raise SystemExit(
+            f"--paths {args.paths}: must start with 'engine', then any of {PATHS[1:]} "
+            "('graphs' on CUDA only)"
+        )
+    cfg = config_for(args.model, args.dtype)
     dt = SHORT_DTYPE[args.dtype]
     spec = spec_for(cfg)
 
     eng = Engine(
-        model_config=cfg,
+        model=Transformer.for_timing(cfg, device=args.device),
         max_slots=max(batches),
         max_batch_size=max(batches),
         max_len=args.context,
         device=args.device,
         num_threads=args.threads,
+        device_decode=False,  # "engine": the full-row path, the baseline
     )
+    runners: dict[str, Engine | TorchExecutor] = {"engine": eng}
+    for p in paths[1:]:  # over the same model and cache
+        runners[p] = TorchExecutor(
+            model=eng.model, device=eng.device, max_len=args.context, device_decode=True,
+            cuda_graphs=p == "graphs",
+        )  # fmt: skip
     with torch.no_grad():
         for c in eng.model.caches():
             c.normal_()  # a cache never written reads as zero pages: fill it
@@ -154,7 +200,8 @@ def main() -> None:
     # pass i (its after_pass hook), so both sample the same stretch of time: this VM's
     # speed drifts by 20-40% over tens of seconds, and a calibration minutes before the
     # steps judged the drift, not the prediction.
-    times: dict[int, list[float]] = {b: [] for b in batches}
+    times: dict[int, list[float]] = {b: [] for b in batches}  # the engine path's
+    path_times: dict[str, dict[int, list[float]]] = {p: {b: [] for b in batches} for p in paths}
     per_pass = -(-args.reps // args.passes)  # at least --reps in all
     passes_done = 0
 
@@ -162,7 +209,10 @@ def main() -> None:
         nonlocal passes_done
         if passes_done < args.passes:
             for b in batches:
-                times[b] += time_step(eng, b, args.context, per_pass, args.budget_s / args.passes)
+                for p, runner in runners.items():
+                    budget = args.budget_s / args.passes
+                    path_times[p][b] += time_step(runner, b, args.context, per_pass, budget)
+                times[b] = path_times["engine"][b]
             passes_done += 1
 
     if args.hardware:
@@ -183,9 +233,25 @@ def main() -> None:
     ideal = Roofline(model=spec, hardware=hw.without_calibration(), dtype=dt, context=args.context)
     calibrated = Roofline(model=spec, hardware=hw, dtype=dt, context=args.context)
 
+    bpe = cfg.bytes_per_param
+
+    def mbu(batch: int, seconds: float) -> float:
+        """Bytes a step must read (weights + the KV present) / step time / peak bandwidth."""
+        need = spec.weight_bytes_read_per_step(
+            bpe
+        ) + batch * args.context * spec.kv_bytes_per_token(bpe)
+        return need / seconds / hw.mem_bandwidth
+
     rows = []
     for b in batches:
         measured, median = min(times[b]), statistics.median(times[b])
+        by_path = {
+            p: {"measured_ms": min(path_times[p][b]) * 1e3,
+                "median_ms": statistics.median(path_times[p][b]) * 1e3,
+                "mbu": mbu(b, min(path_times[p][b])),
+                "speedup_vs_engine": measured / min(path_times[p][b])}
+            for p in paths
+        }  # fmt: skip
         roof = ideal.step_time_s(b)
         pred = calibrated.step_time_s(b) if calibrated.calibrated else float("nan")
         rows.append(
@@ -200,6 +266,7 @@ def main() -> None:
                 "predicted_ms": pred * 1e3,
                 "prediction_error": (pred - measured) / measured,
                 "predicted_parts": predicted_parts(calibrated, b) if calibrated.calibrated else {},
+                "paths": by_path,
             }
         )
 
@@ -221,6 +288,12 @@ def main() -> None:
             f"{r['roofline_ms']:>8.2f} {r['roofline_fraction']:>8.2f} {r['bound']:>7} "
             f"{r['predicted_ms']:>8.2f} {r['prediction_error']:>+7.0%}"
         )
+    print(f"MBU (bytes a step must read / step time / {hw.mem_bandwidth / 1e9:.1f} GB/s), by path:")
+    print(f"{'B':>5} " + " ".join(f"{p + ' ms':>10} {'MBU':>5} {'x eng':>6}" for p in paths))
+    for r in rows:
+        print(f"{r['batch']:>5} " + " ".join(
+            f"{v['measured_ms']:>10.3f} {v['mbu']:>5.2f} {v['speedup_vs_engine']:>6.2f}"
+            for v in r["paths"].values()))  # fmt: skip
     errors = [abs(r["prediction_error"]) for r in rows]
     print(
         json.dumps(
@@ -234,6 +307,8 @@ def main() -> None:
                 "load_avg_1m": os.getloadavg()[0],
                 "context": args.context,
                 "passes": args.passes,
+                "paths": paths,
+                "mbu_batch1": {p: rows[0]["paths"][p]["mbu"] for p in paths},
                 "roofline_fraction_batch1": rows[0]["roofline_fraction"],
                 "roofline_fraction_max_batch": rows[-1]["roofline_fraction"],
                 "max_prediction_error": max(errors),

@@ -106,6 +106,7 @@ class Engine:
         self,
         *,
         model_config: ModelConfig | None = None,
+        model: Transformer | None = None,
         max_slots: int,
         max_batch_size: int,
         max_len: int | None = None,
@@ -128,13 +129,15 @@ class Engine:
             raise ValueError(f"device={device!r}: CUDA is not available here")
         if device == "cpu":
             self.num_threads = configure_threads(num_threads)
-        if checkpoint is not None:
+        if model is not None:  # built by the caller (benchmarks: Transformer.for_timing)
+            self.model = model
+        elif checkpoint is not None:
             self.model = load_checkpoint(checkpoint, dtype=dtype, device=device)
         elif model_config is not None:
             cfg = model_config if dtype is None else model_config.replace(dtype=dtype)
             self.model = Transformer.random(cfg, seed=seed, device=device)
         else:
-            raise ValueError("Engine needs model_config or checkpoint")
+            raise ValueError("Engine needs model_config, checkpoint or model")
         self.config = self.model.config
         self.device = torch.device(device)
         # Kernels first: where their small GEMM serves a linear, prepack makes no fp32 copy.
