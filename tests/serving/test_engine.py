@@ -165,7 +165,7 @@ def test_engine_loads_a_checkpoint(tmp_path) -> None:
 
 
 def test_engine_needs_a_model() -> None:
-    with pytest.raises(ValueError, match="model_config or checkpoint"):
+    with pytest.raises(ValueError, match="model_config, checkpoint or model"):
         Engine(max_slots=1, max_batch_size=1)
 
 
