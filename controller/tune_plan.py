@@ -301,15 +301,17 @@ def plan_search(
     max_slots: int,
     context: int,
     served: ServedModel | None = None,
+    spec: ModelSpec | None = None,
 ) -> SearchPlan:
     """Plan the search of the built-in ``model`` preset (``tiny``/``small``: slotune's own
-    deployment, so the preset is what is served) on ``hardware`` at ``context`` tokens: the
+    deployment, so the preset is what is served), or of ``spec`` when the app serves a
+    checkpoint (its config.json's shapes), on ``hardware`` at ``context`` tokens: the
     batch goes up to what both ``max_slots`` and the device memory hold; seeded by the
     ``served`` model when this serving path was calibrated."""
     from search.roofline.models import resolve_model
 
     return plan_for(
-        model=resolve_model(MODELS[model]),
+        model=spec or resolve_model(MODELS[model]),
         hardware=hardware,
         tp=1,
         slo=slo,

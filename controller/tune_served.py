@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from controller.windows import WindowReader
     from metrics.observation import Observation, Slo
     from search.roofline.hardware import HardwareSpec
+    from search.roofline.models import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,14 @@ def served_for(
     return served, f"served calibration measured now ({served.elapsed_s:.0f} s), {path}"
 
 
+def served_key(model: str, spec: ModelSpec | None) -> str:
+    """The name a served calibration is cached under: the preset's roofline model, or the
+    checkpoint's model name made file-safe (a Hub snapshot's name is ``org/name``)."""
+    if spec is None:
+        return MODELS[model]
+    return "checkpoint-" + re.sub(r"[^A-Za-z0-9._-]", "_", spec.name)
+
+
 def served_plan(
     plan: SearchPlan,
     *,
@@ -194,10 +204,11 @@ def served_plan(
     device: str,
     threads: int,
     quiet: bool,
+    spec: ModelSpec | None = None,
 ) -> SearchPlan:
-    """``plan`` of the built-in ``model`` preset (tiny/small) seeded by the served model
-    (cached, else measured now on the deployed app at ``url``); ``plan`` unchanged when
-    the calibration fails (logged)."""
+    """``plan`` of the built-in ``model`` preset (tiny/small), or of ``spec`` when the app
+    serves a checkpoint, seeded by the served model (cached, else measured now on the
+    deployed app at ``url``); ``plan`` unchanged when the calibration fails (logged)."""
     target = RayServeTarget(
         url=url,
         slo=target_slo,
@@ -208,7 +219,12 @@ def served_plan(
     )
     try:
         served, _ = served_for(
-            target, device=device, threads=threads, model=MODELS[model], shape=shape, quiet=quiet
+            target,
+            device=device,
+            threads=threads,
+            model=served_key(model, spec),
+            shape=shape,
+            quiet=quiet,
         )
     except Exception as e:  # a failed calibration leaves the roofline's seed, not a failed run
         log.warning("served calibration failed (%s): seeding from the roofline", e)
@@ -221,4 +237,5 @@ def served_plan(
         max_slots=max_slots,
         context=context,
         served=served,
+        spec=spec,
     )

@@ -177,6 +177,8 @@ def prepare(
     tp: int = 1,
     max_batch: int | None = None,
     served: bool = True,
+    checkpoint: str | None = None,
+    served_model_name: str | None = None,
 ) -> Prepared:
     """Start or attach, deploy if needed, pick the actuator and the metrics reader, and plan
     the search (``served``: for the built-in model on the Ray it started, seeded from the
@@ -185,12 +187,14 @@ def prepare(
     No ``address``, ``app_name`` or ``actuator``: start a local Ray and deploy the built-in
     ``model`` with ``max_slots`` KV slots (the ``embedded`` actuator; the roofline of that
     model on this device, calibrated at the replica's threads); ``address`` alone: attach
-    and deploy it there. ``app_name``: an existing application (``deployment`` within it),
-    its knobs through ``actuator`` (default ``serve``: Serve's REST API at
-    ``dashboard_url``, else the attached cluster's; ``batch_knob`` names the batch limit's
-    config path). ``actuator='none'``: no Ray at all, the server at ``url`` is measured as
-    it is. The metrics: ``profile`` at ``metrics_url`` or ``prometheus_url`` (detected when
-    not given; see :func:`make_reader`). An existing deployment's roofline is
+    and deploy it there. The built-in app serves ``checkpoint`` (a local folder) when
+    given, its roofline then ``roofline_model`` (the checkpoint's config.json), and answers
+    to ``served_model_name`` when given. ``app_name``: an existing application
+    (``deployment`` within it), its knobs through ``actuator`` (default ``serve``: Serve's
+    REST API at ``dashboard_url``, else the attached cluster's; ``batch_knob`` names the
+    batch limit's config path). ``actuator='none'``: no Ray at all, the server at ``url``
+    is measured as it is. The metrics: ``profile`` at ``metrics_url`` or ``prometheus_url``
+    (detected when not given; see :func:`make_reader`). An existing deployment's roofline is
     ``roofline_model`` on ``hardware`` x ``tp`` (controller.tune_plan.plan_for); without
     them the search is unseeded over batches 1..``max_batch`` and the plan says why."""
     from controller.backends.registry import ACTUATORS
@@ -244,7 +248,13 @@ def prepare(
         hw, hw_note = hardware_spec(device, quiet=quiet, threads=threads)
         hw_note += f"; replica threads from {threads_from}"
         searched = plan_search(
-            model=model, hardware=hw, slo=slo, price=price, max_slots=max_slots, context=context
+            model=model,
+            hardware=hw,
+            slo=slo,
+            price=price,
+            max_slots=max_slots,
+            context=context,
+            spec=roofline_model,
         )
     else:
         check_deployment(app, deployment)
@@ -275,13 +285,18 @@ def prepare(
         app = "slotune"
         first = searched.seeds[0]
         if not quiet:
-            print(
-                f"slotune: deploying the built-in {model!r} model on {device} ...",
-                file=sys.stderr,
-            )
+            what = f"the built-in {model!r} model" if checkpoint is None else checkpoint
+            print(f"slotune: deploying {what} on {device} ...", file=sys.stderr)
         try:
             deploy_app(
-                ServerArgs(model=model, max_slots=max_slots, device=device, torch_threads=threads),
+                ServerArgs(
+                    model=model,
+                    max_slots=max_slots,
+                    device=device,
+                    torch_threads=threads,
+                    checkpoint=checkpoint,
+                    served_model_name=served_model_name,
+                ),
                 LiveConfig(
                     max_batch_size=first.max_batch_size,
                     ttft_p99_s=slo.ttft_p99_s,
@@ -339,6 +354,7 @@ def prepare(
             device=device,
             threads=threads,
             quiet=quiet,
+            spec=roofline_model,
         )
         hw_note = f"{hw_note}; {searched.reason}"
     return Prepared(setup=setup, hardware=hw, hardware_note=hw_note, plan=searched)

@@ -107,3 +107,20 @@ def study_storage(flag: str, storage: str, *, must_exist: bool) -> str:
         detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         raise BadInput(f"{flag} {storage}: not {what} ({detail})") from None
     return storage
+
+
+def checkpoint_dir(flag: str, path: str | Path) -> str:
+    """A local Hugging Face checkpoint folder (config.json and *.safetensors), as an
+    absolute path: the replica that loads it is a Ray worker process, whose working
+    directory need not be this command's."""
+    p = Path(path)
+    what = "a local Hugging Face checkpoint folder (config.json and *.safetensors)"
+    if not p.is_dir():
+        raise BadInput(
+            f"{flag} {p}: {'no such folder' if not p.exists() else 'not a folder'}; give {what}"
+        )
+    if not (p / "config.json").is_file():
+        raise BadInput(f"{flag} {p}: no config.json in it; give {what}")
+    if not any(p.glob("*.safetensors")):
+        raise BadInput(f"{flag} {p}: no *.safetensors in it; give {what}")
+    return str(p.resolve())

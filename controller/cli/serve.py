@@ -10,7 +10,6 @@ shuts Serve and Ray down.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -18,6 +17,7 @@ import time
 import typer
 
 from controller.cli.flags import slo_from_ms
+from controller.cli.paths import checkpoint_dir
 from controller.errors import BadInput
 from metrics.observation import DEFAULT_SLO
 from serving.app.config import DEFAULT_STREAM_EVENTS_PER_S, DEFAULT_STREAM_INTERVAL_S
@@ -50,8 +50,18 @@ def serve(
     metrics_port: int = typer.Option(8080, help="Ray's metrics export port (Prometheus)."),
     num_cpus: int = typer.Option(2, help="CPUs Ray may schedule."),
     torch_threads: int = typer.Option(1, help="torch threads in the replica."),
-    device: str = typer.Option("cpu", help="cpu | cuda[:N]."),
+    device: str = typer.Option(
+        "cpu", help="cpu | cuda: on cuda each replica reserves one GPU (Ray picks which)."
+    ),
+    num_replicas: int | None = typer.Option(
+        None, "--num-replicas", help="Replicas (default: 1 on cpu, one per visible GPU on cuda)."
+    ),
     checkpoint: str | None = typer.Option(None, help="Local HF-layout checkpoint directory."),
+    served_model_name: str | None = typer.Option(
+        None,
+        "--served-model-name",
+        help="The model id /v1/models reports and requests name (default: slotune-<model>).",
+    ),
     max_len: int = typer.Option(512, help="Context per request (prompt + output tokens)."),
     app_name: str = typer.Option("slotune", help="Serve application name."),
     stream_interval: float = typer.Option(
@@ -69,6 +79,7 @@ def serve(
 ) -> None:
     """Serve the model locally behind an OpenAI-compatible API (Ray Serve)."""
     from serving.app.config import LiveConfig, ServerArgs
+    from serving.app.deploy import actor_options
 
     for name, v in (("--port", port), ("--metrics-port", metrics_port)):
         _check(0 < v < 65536, f"{name} {v}: must be a TCP port in 1..65535")
@@ -81,6 +92,8 @@ def serve(
         f"--max-queued-requests {max_queued_requests}: must be -1 or >= 1",
     )
     slo = slo_from_ms(slo_ttft_ms, slo_tpot_ms)
+    if checkpoint is not None:
+        checkpoint = checkpoint_dir("--checkpoint", checkpoint)
     try:
         args = ServerArgs(
             model=model,
@@ -91,7 +104,9 @@ def serve(
             torch_threads=torch_threads,
             stream_interval_s=stream_interval,
             stream_events_per_s=stream_events_per_s,
+            served_model_name=served_model_name,
         )
+        actor_options(args)  # a device a Ray-placed replica cannot see is refused here
         live = LiveConfig(
             max_batch_size=max_batch_size,
             ttft_p99_s=slo.ttft_p99_s,
@@ -100,14 +115,13 @@ def serve(
         )
     except ValueError as e:
         raise BadInput(str(e)) from None
+    replicas = replica_count(num_replicas, device)
     try:
         live.check_fits(args)
     except ValueError:  # the same check, said in the flags' words
         raise BadInput(
             f"--max-batch-size {max_batch_size}: must be <= --max-slots {max_slots}"
         ) from None
-    if checkpoint is not None:
-        _check(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: not a directory")
 
     import ray
     from ray import serve as ray_serve
@@ -115,14 +129,30 @@ def serve(
     from serving.app.cluster import start_local_ray
     from serving.app.deploy import deploy_app
 
+    # Replicas ask for no CPU (serving/app/server.py), so num_cpus never holds them back;
+    # on cuda, Ray is told the GPUs torch counted, so it can place one replica on each
+    # even where its own detection would find none.
     cluster = start_local_ray(
-        num_cpus=num_cpus, metrics_port=metrics_port, http_port=port, host=LOOPBACK
+        num_cpus=num_cpus,
+        metrics_port=metrics_port,
+        http_port=port,
+        host=LOOPBACK,
+        num_gpus=visible_gpus() if args.device.startswith("cuda") else None,
     )
     try:
         t0 = time.monotonic()
-        deploy_app(args, live, name=app_name, max_queued_requests=max_queued_requests)
+        deploy_app(
+            args,
+            live,
+            name=app_name,
+            max_queued_requests=max_queued_requests,
+            num_replicas=replicas,
+        )
         url = f"http://{LOOPBACK}:{port}"
-        typer.echo(f"serving {args.served_name} in {time.monotonic() - t0:.1f} s")
+        typer.echo(
+            f"serving {args.served_name} on {replicas} x {args.device} "
+            f"in {time.monotonic() - t0:.1f} s"
+        )
         typer.echo(f"url: {url}/v1  (POST /v1/completions, GET /v1/models, GET /health)")
         typer.echo(f"metrics: http://{LOOPBACK}:{metrics_port}/metrics")
         env = " ".join(f"{k}={v}" for k, v in cluster.attach_env().items())
@@ -133,6 +163,36 @@ def serve(
             ray_serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def visible_gpus() -> int:
+    """The GPUs torch sees in this process (CUDA_VISIBLE_DEVICES applies; 0 without CUDA).
+    torch is imported only here: a CPU serve never loads it in the CLI."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def replica_count(given: int | None, device: str) -> int:
+    """``--num-replicas``, else its default: one on the CPU; on CUDA one per visible GPU,
+    since each replica reserves a whole GPU (serving.app.deploy.actor_options), so more
+    than are visible would never be placed."""
+    if given is not None and given < 1:
+        raise BadInput(f"--num-replicas {given}: must be an integer >= 1")
+    if not device.startswith("cuda"):
+        return given or 1
+    gpus = visible_gpus()
+    if gpus == 0:
+        raise BadInput(
+            f"--device {device}: torch sees no GPU here (torch.cuda.device_count() is 0); "
+            "give --device cpu, or run where CUDA is"
+        )
+    if given is not None and given > gpus:
+        raise BadInput(
+            f"--num-replicas {given}: each replica on --device {device} takes a GPU and "
+            f"{gpus} are visible; give at most {gpus}"
+        )
+    return given or gpus
 
 
 def _block(run_for: float) -> None:

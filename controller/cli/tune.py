@@ -151,6 +151,14 @@ def tune(
     max_slots: int = typer.Option(
         None, "--max-slots", help="KV slots of the built-in app.", rich_help_panel=BUILTIN
     ),
+    checkpoint: Path = typer.Option(
+        None,
+        "--checkpoint",
+        help="The built-in app serves this local Hugging Face checkpoint folder (config.json,"
+        " *.safetensors) instead of --model's random weights; its config.json seeds the"
+        " roofline.",
+        rich_help_panel=BUILTIN,
+    ),
     slo_ttft_ms: float = typer.Option(
         DEFAULT_SLO.ttft_p99_s * 1e3,
         "--slo-ttft-ms",
@@ -176,7 +184,11 @@ def tune(
         None, "--trace", help="JSONL trace of requests to replay.", rich_help_panel=LOAD
     ),
     served_model: str = typer.Option(
-        None, "--served-model", help="Request 'model' field.", rich_help_panel=LOAD
+        None,
+        "--served-model",
+        "--served-model-name",
+        help="Request 'model' field; the built-in app serves under this id too.",
+        rich_help_panel=LOAD,
     ),
     tokenizer: Path = typer.Option(
         None,
@@ -326,6 +338,10 @@ def tune(
             "--model-config, --hardware and --tp describe an --app's deployment; the "
             "built-in model's roofline is known (give --app, or leave them out)"
         )
+    ckpt, ckpt_model = tune_backend.checkpoint(checkpoint, builtin=builtin)
+    if ckpt_model is not None:  # the built-in app's roofline: its checkpoint's config.json
+        roof_model = ckpt_model
+    served_name = tune_backend.served_name(served_model, builtin=builtin)
     tune_backend.check_hardware(hardware)
     try:
         limits = TuneLimits(
@@ -358,7 +374,7 @@ def tune(
     except ValueError as e:
         raise BadInput(str(e)) from None
     if builtin:  # the built-in model: its context is known before it is deployed
-        tune_load.fits_context(shape, model, prompt_tokens, output_tokens, trace)
+        tune_load.fits_context(shape, model, prompt_tokens, output_tokens, trace, checkpoint=ckpt)
     if study is not None:
         study_storage("--study", study, must_exist=False)
     out_dir = output_dir("--out", out or Path("slotune-out") / time.strftime("%Y%m%d-%H%M%S"))
@@ -389,6 +405,8 @@ def tune(
                 batch_knob=batch_knob,
                 dashboard_url=dashboard_url,
                 roofline_model=roof_model,
+                checkpoint=ckpt,
+                served_model_name=served_name,
                 hardware=hardware,
                 tp=tp,
                 max_batch=max_batch,
@@ -424,7 +442,9 @@ def tune(
             trials=(),
             predicted=searched.predicted,
             model=tune_backend.model_label(
-                searched, MODELS[model] if builtin else None, app_name or url
+                searched,
+                (ckpt_model.name if ckpt_model else MODELS[model]) if builtin else None,
+                app_name or url,
             ),
             hardware=hw.name if hw is not None else "unknown (give --hardware)",
             hardware_detail=tune_backend.hardware_detail(hw, prepared.hardware_note, setup.device),

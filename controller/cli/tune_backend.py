@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from controller.tune_plan import SearchPlan
     from controller.windows import WindowReader
     from search.roofline.hardware import HardwareSpec
+    from search.roofline.models import ModelSpec
     from search.stages import KnobCosts
 
 
@@ -34,6 +36,47 @@ def check_hardware(name: str | None) -> None:
         resolve_hardware(name)
     except ValueError as e:
         raise BadInput(f"--hardware {name}: {e}") from None
+
+
+def checkpoint(path: Path | None, *, builtin: bool) -> tuple[str | None, ModelSpec | None]:
+    """``--checkpoint``: the folder as the built-in app's replica loads it (absolute) and
+    the model the roofline assumes, from its config.json (read the one way an
+    ``--model-config`` is: controller.tune_plan.roofline_model); (None, None) when not
+    given. An ``--app`` serves its own model, so it takes no checkpoint."""
+    from controller.cli.paths import checkpoint_dir
+    from controller.tune_plan import roofline_model
+
+    if path is None:
+        return None, None
+    if not builtin:
+        raise BadInput(
+            f"--checkpoint {path}: is what the built-in app serves; an --app serves its own "
+            "model (give --model-config for its roofline)"
+        )
+    folder = checkpoint_dir("--checkpoint", path)
+    try:
+        spec = roofline_model(folder, None)
+    except ValueError as e:
+        raise BadInput(f"--checkpoint {path}: {e}") from None
+    assert spec is not None  # a folder was given
+    return folder, spec
+
+
+def served_name(given: str | None, *, builtin: bool) -> str | None:
+    """The id the built-in app serves: ``--served-model``, which the requests then name
+    too (the app refuses any other); None: its default. Checked before anything starts;
+    another app's id is its own business."""
+    from serving.app.config import check_served_model_name
+
+    if given is None or not builtin:
+        return None
+    try:
+        check_served_model_name(given)
+    except ValueError:
+        raise BadInput(
+            f"--served-model {given!r}: must be a non-empty model id without whitespace"
+        ) from None
+    return given
 
 
 def ignore_eos(

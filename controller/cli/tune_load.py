@@ -3,6 +3,7 @@ and endpoint, ``ignore_eos``; checked before anything starts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from controller.errors import BadInput
 if TYPE_CHECKING:
     from controller.load.spec import TraceItem
     from controller.targets import RequestShape
+    from serving.model.config import ModelConfig
     from serving.sim.workload import LengthDist
 
 
@@ -48,17 +50,38 @@ def tokenizer(path: Path | None) -> str | None:
     return str(path)
 
 
-def fits_context(
-    shape: RequestShape, model: str, prompt_spec: str, output_spec: str, trace: Path | None
-) -> None:
-    """Every request the load can send fits one KV slot of the built-in model (prompt +
-    output <= its context); else the server would answer each with a 400, and a whole
-    budget would be spent measuring them."""
-    from serving.engine.engine import slot_context
+def _served_config(model: str, checkpoint: str | None) -> ModelConfig:
+    """The built-in app's model: the preset, or the checkpoint's config.json read as the
+    replica reads it (an architecture it cannot load is refused now, not after Ray starts)."""
+    from serving.model.checkpoint import config_from_hf
     from serving.model.config import ModelConfig
 
-    ctx = slot_context(ModelConfig.from_name(model))
-    holds = f"the built-in {model!r} model holds {ctx} tokens a request (prompt + output)"
+    if checkpoint is None:
+        return ModelConfig.from_name(model)
+    try:
+        hf = json.loads((Path(checkpoint) / "config.json").read_text())
+        return config_from_hf(hf, name=Path(checkpoint).name)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--checkpoint {checkpoint}: config.json: {e}") from None
+
+
+def fits_context(
+    shape: RequestShape,
+    model: str,
+    prompt_spec: str,
+    output_spec: str,
+    trace: Path | None,
+    *,
+    checkpoint: str | None = None,
+) -> None:
+    """Every request the load can send fits one KV slot of the built-in model (prompt +
+    output <= its context; the ``checkpoint``'s when it serves one); else the server would
+    answer each with a 400, and a whole budget would be spent measuring them."""
+    from serving.engine.engine import slot_context
+
+    ctx = slot_context(_served_config(model, checkpoint))
+    who = f"the built-in {model!r} model" if checkpoint is None else f"checkpoint {checkpoint}"
+    holds = f"{who} holds {ctx} tokens a request (prompt + output)"
     if shape.trace is not None:
         for i, item in enumerate(shape.trace, start=1):
             n = item.prompt_tokens

@@ -211,6 +211,7 @@ def start_local_ray(
     http_port: int,
     host: str = LOOPBACK,
     dashboard: bool = False,
+    num_gpus: int | None = None,
 ) -> LocalRay:
     """Start a new Ray cluster and Serve in this process, loopback only and token-authenticated.
 
@@ -219,8 +220,9 @@ def start_local_ray(
     ``127.0.0.1:metrics_port``, Serve's HTTP proxy on ``host:http_port`` without access
     logs. The dashboard (and with it Serve's REST API, ``/api/serve/applications/``, which
     the ``serve`` actuator uses) only when ``dashboard``: on 127.0.0.1 at a free port, token
-    auth on like the rest (~1 GB more memory). Returns what another driver needs to
-    attach. If Ray comes up on another IP or Serve does not start, Ray is shut down
+    auth on like the rest (~1 GB more memory). ``num_gpus``: the GPUs Ray may give replicas
+    (None: as many as Ray detects, within CUDA_VISIBLE_DEVICES). Returns what another
+    driver needs to attach. If Ray comes up on another IP or Serve does not start, Ray is shut down
     before the error propagates. One local cluster per process: Ray caches the token a
     process has loaded.
     """
@@ -233,6 +235,7 @@ def start_local_ray(
     ctx = ray.init(
         address="local",
         num_cpus=num_cpus,
+        num_gpus=num_gpus,
         include_dashboard=dashboard,
         dashboard_host=LOOPBACK,
         dashboard_port=free_loopback_port() if dashboard else None,

@@ -64,6 +64,17 @@ def _is_pos_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
+def check_served_model_name(name: object) -> None:
+    """ValueError unless ``name`` can be the id a replica serves: a non-empty string with
+    no whitespace. Clients send it back verbatim as a request's ``model`` and any other
+    value is refused, so a stray space (from a shell or a config file) would turn every
+    request that names the model as users write it into an error."""
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        raise ValueError(
+            f"served_model_name={name!r}: must be a non-empty string without whitespace"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerArgs:
     """What a replica is built with (the application ``args``): a change restarts it."""
@@ -118,6 +129,8 @@ class ServerArgs:
         p = self.omp_wait_policy
         if p is not None and p not in OMP_WAIT_POLICIES:
             raise ValueError(f"omp_wait_policy={p!r}: must be one of {OMP_WAIT_POLICIES} or None")
+        if self.served_model_name is not None:
+            check_served_model_name(self.served_model_name)
 
     def request_bytes_limit(self, context: int) -> int:
         """The body-size limit for a replica whose slots hold ``context`` tokens."""

@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 IMPORT_PATH = "serving.app.server:app"
 DEFAULT_APP_NAME = "slotune"
+# The replica's Ray resources as its deployment declares them (serving/app/server.py). A
+# config's ray_actor_options replaces that whole dict, not key by key (Ray 2.60,
+# serve/_private/application_state.py override_deployment_info), so a GPU replica's
+# options repeat num_cpus beside num_gpus.
+REPLICA_ACTOR_OPTIONS: dict[str, float] = {"num_cpus": 0}
 
 
 def _client() -> Any:
@@ -73,6 +78,27 @@ def _with_replica_env(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
     return env
 
 
+def actor_options(args: ServerArgs) -> dict[str, float] | None:
+    """The deployment's ``ray_actor_options`` for a replica built with ``args``: None on
+    the CPU (the deployment's own, :data:`REPLICA_ACTOR_OPTIONS`, apply); one GPU on CUDA.
+
+    Ray sets CUDA_VISIBLE_DEVICES of an actor with ``num_gpus=1`` to the one GPU it gave
+    it, so inside the replica that GPU is ``cuda:0`` whichever it is: ``cuda:N`` for N > 0
+    names a device the replica cannot see, and is refused rather than quietly mapped to
+    the GPU Ray chose (which GPUs Ray may give is set by CUDA_VISIBLE_DEVICES where Ray
+    starts).
+    """
+    kind, _, index = args.device.partition(":")
+    if kind != "cuda":
+        return None
+    if index not in ("", "0"):
+        raise ValueError(
+            f"device={args.device!r}: a replica placed by Ray (num_gpus=1) sees only its own "
+            "GPU, as cuda:0; give 'cuda' (or 'cuda:0') and let Ray choose the GPU"
+        )
+    return {**REPLICA_ACTOR_OPTIONS, "num_gpus": 1}
+
+
 def app_config(
     *,
     name: str,
@@ -83,11 +109,13 @@ def app_config(
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml).
+    """One entry of a Serve config file's ``applications`` (deploy/serve-config.yaml;
+    deploy/serve-config-gpu.yaml on CUDA).
 
     The deployment's ``max_ongoing_requests`` is ``live.max_ongoing_requests``
     (:data:`DEFAULT_MAX_ONGOING_REQUESTS` when None). ``runtime_env`` gets ``env_vars``
-    :data:`REPLICA_ENV_VARS` under the caller's own.
+    :data:`REPLICA_ENV_VARS` under the caller's own. On CUDA each replica reserves one
+    GPU (:func:`actor_options`).
     """
     if not isinstance(max_queued_requests, int) or not (
         max_queued_requests == -1 or max_queued_requests >= 1
@@ -100,6 +128,7 @@ def app_config(
     if not route_prefix.startswith("/"):
         raise ValueError(f"route_prefix={route_prefix!r}: must start with '/'")
     live.check_fits(args)
+    placement = actor_options(args)
     if live.max_ongoing_requests is None:
         live = replace(live, max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
     limit = live.max_ongoing_requests
@@ -107,21 +136,22 @@ def app_config(
     queued = None if max_queued_requests == -1 else max_queued_requests
     live = replace(live, max_queued_requests=queued)
     serve_ongoing = serve_limit(limit, queued)
+    deployment: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "num_replicas": num_replicas,
+        "max_ongoing_requests": serve_ongoing,
+        "max_queued_requests": -1,
+    }
+    if placement is not None:
+        deployment["ray_actor_options"] = placement
+    deployment["user_config"] = live.to_user_config()
     return {
         "name": name,
         "route_prefix": route_prefix,
         "import_path": IMPORT_PATH,
         "runtime_env": _with_replica_env(runtime_env),
         "args": args.to_args(),
-        "deployments": [
-            {
-                "name": DEPLOYMENT_NAME,
-                "num_replicas": num_replicas,
-                "max_ongoing_requests": serve_ongoing,
-                "max_queued_requests": -1,
-                "user_config": live.to_user_config(),
-            }
-        ],
+        "deployments": [deployment],
     }
 
 
@@ -221,14 +251,20 @@ def update_knobs(
         num_replicas=dep.get("num_replicas", 1),
         runtime_env=cfg.get("runtime_env"),
     )
-    # The code version is the import path + runtime_env + args: send back exactly what
-    # is deployed (validated above), not it with today's defaults and env filled in, or
-    # an app deployed by an older slotune or a hand-written config would restart.
-    for key in ("args", "runtime_env"):
-        if key in cfg:
-            new[key] = cfg[key]
+    # The code version is the import path + runtime_env + args, and a change of the
+    # replica's ray_actor_options restarts it too: send back exactly what is deployed
+    # (validated above), not it with today's defaults, env and placement filled in, or an
+    # app deployed by an older slotune or a hand-written config would restart.
+    new_dep = new["deployments"][0]
+    for src, dst, key in (
+        (cfg, new, "args"),
+        (cfg, new, "runtime_env"),
+        (dep, new_dep, "ray_actor_options"),
+    ):
+        if key in src:
+            dst[key] = src[key]
         else:
-            new.pop(key, None)
+            dst.pop(key, None)
     _apply(client, app_name, new)
     wait_applied(client, app_name, live.version, new["deployments"][0]["num_replicas"], timeout_s)
 

@@ -18,9 +18,16 @@ import yaml
 
 from metrics.observation import Slo
 from serving.app.config import DEPLOYMENT_NAME, REPLICA_ENV_VARS, LiveConfig, ServerArgs
-from serving.app.deploy import IMPORT_PATH, app_config, refusal_margin
+from serving.app.deploy import (
+    IMPORT_PATH,
+    REPLICA_ACTOR_OPTIONS,
+    actor_options,
+    app_config,
+    refusal_margin,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVE_CONFIGS = ("deploy/serve-config.yaml", "deploy/serve-config-gpu.yaml")
 
 
 def _serve_schema():
@@ -29,8 +36,9 @@ def _serve_schema():
     return ServeDeploySchema
 
 
-def test_serve_config_file_is_what_deploy_app_builds() -> None:
-    raw = yaml.safe_load((ROOT / "deploy/serve-config.yaml").read_text())
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=["serve-config", "serve-config-cuda"])
+def test_serve_config_file_is_what_deploy_app_builds(path: str) -> None:
+    raw = yaml.safe_load((ROOT / path).read_text())
     schema = _serve_schema().model_validate(raw)
     (app,) = raw["applications"]
     assert app["import_path"] == IMPORT_PATH == schema.applications[0].import_path
@@ -53,6 +61,48 @@ def test_serve_config_file_is_what_deploy_app_builds() -> None:
         num_replicas=dep["num_replicas"],
     )
     assert built == app
+
+
+def test_the_gpu_serve_config_is_the_cpu_one_with_the_replica_on_a_gpu() -> None:
+    cpu, gpu = (yaml.safe_load((ROOT / p).read_text()) for p in SERVE_CONFIGS)
+    (dep,) = gpu["applications"][0]["deployments"]
+    assert gpu["applications"][0]["args"]["device"] == "cuda"
+    assert dep.pop("ray_actor_options") == {**REPLICA_ACTOR_OPTIONS, "num_gpus": 1}
+    gpu["applications"][0]["args"]["device"] = "cpu"
+    assert gpu == cpu
+
+
+def test_a_cuda_replica_reserves_one_gpu_and_a_cpu_one_keeps_the_deployments_options() -> None:
+    from serving.app.server import CompletionServer
+
+    base = {
+        "name": "a",
+        "route_prefix": "/",
+        "live": LiveConfig(max_batch_size=8, max_ongoing_requests=4),
+        "num_replicas": 2,
+    }
+    (cpu,) = app_config(**base, args=ServerArgs())["deployments"]
+    assert "ray_actor_options" not in cpu  # the deployment's own apply
+    # what the CUDA entry repeats beside num_gpus, since it replaces the deployment's whole
+    assert CompletionServer.ray_actor_options == REPLICA_ACTOR_OPTIONS
+    for device in ("cuda", "cuda:0"):
+        cfg = app_config(**base, args=ServerArgs(device=device))
+        (dep,) = cfg["deployments"]
+        assert dep["ray_actor_options"] == {"num_cpus": 0, "num_gpus": 1}
+        assert dep["num_replicas"] == 2 and cfg["args"]["device"] == device
+        # the rest is the CPU entry's
+        assert {k: v for k, v in dep.items() if k != "ray_actor_options"} == cpu
+    assert actor_options(ServerArgs()) is None
+
+
+def test_a_gpu_index_a_ray_placed_replica_cannot_see_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"device='cuda:1': .*give 'cuda' \(or 'cuda:0'\)"):
+        app_config(
+            name="a",
+            route_prefix="/",
+            args=ServerArgs(device="cuda:1"),
+            live=LiveConfig(max_batch_size=8),
+        )
 
 
 def test_rayservice_embeds_a_valid_serve_config() -> None:
@@ -127,6 +177,9 @@ def test_app_config_rejects_bad_knobs(kwargs: dict[str, object], fragment: str) 
         (lambda: ServerArgs(stream_events_per_s=-1), "stream_events_per_s=-1"),
         (lambda: ServerArgs(stream_events_per_s=False), "stream_events_per_s=False"),
         (lambda: ServerArgs(omp_wait_policy="spin"), "omp_wait_policy='spin'"),
+        (lambda: ServerArgs(served_model_name=""), "served_model_name='': must be a non-empty"),
+        (lambda: ServerArgs(served_model_name="my model"), "served_model_name='my model'"),
+        (lambda: ServerArgs(served_model_name="m\t"), "without whitespace"),
         (lambda: ServerArgs.from_args({"modle": "tiny"}), "'modle'"),
     ],
 )
@@ -164,6 +217,14 @@ def test_knob_update_sends_back_the_deployed_args_and_env_verbatim(monkeypatch) 
     deployed["runtime_env"] = {"env_vars": {"X": "1"}}
     deploy.update_knobs(max_batch_size=3, max_ongoing_requests=3, app_name="old")
     assert sent["runtime_env"] == {"env_vars": {"X": "1"}} and sent["args"] == old_args
+    # A replica's ray_actor_options restart it too: a GPU app deployed without today's
+    # placement (or with a hand-written one) gets back what it has, nothing filled in.
+    deployed["args"] = {**old_args, "device": "cuda"}
+    deploy.update_knobs(max_batch_size=3, max_ongoing_requests=3, app_name="old")
+    assert "ray_actor_options" not in sent["deployments"][0]
+    deployed["deployments"][0]["ray_actor_options"] = {"num_cpus": 4, "num_gpus": 1}
+    deploy.update_knobs(max_batch_size=3, max_ongoing_requests=3, app_name="old")
+    assert sent["deployments"][0]["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}
 
 
 def test_omp_wait_policy_is_set_for_the_process(monkeypatch, caplog) -> None:
@@ -185,6 +246,9 @@ def test_config_round_trips() -> None:
     args = ServerArgs(model="small", max_slots=16, checkpoint=None)
     assert ServerArgs.from_args(args.to_args()) == args
     assert args.served_name == "slotune-small"
+    named = ServerArgs(model="small", served_model_name="org/my-llama-8b")
+    assert ServerArgs.from_args(named.to_args()) == named
+    assert named.served_name == "org/my-llama-8b"
 
 
 # -- on the session Ray cluster ---------------------------------------------------------
@@ -358,7 +422,10 @@ def test_changing_args_does_restart_the_replica(deployed: str) -> None:
         (["--max-batch-size", "65", "--max-slots", "64"], "--max-batch-size 65"),
         (["--slo-ttft-ms", "-1"], "--slo-ttft-ms -1"),
         (["--stream-interval", "5"], "stream_interval_s=5"),
-        (["--checkpoint", "/nonexistent/ckpt"], "not a directory"),
+        (["--checkpoint", "/nonexistent/ckpt"], "--checkpoint /nonexistent/ckpt: no such folder"),
+        (["--served-model-name", "my model"], "served_model_name='my model'"),
+        (["--device", "cuda:1"], "device='cuda:1'"),
+        (["--num-replicas", "0"], "--num-replicas 0"),
     ],
 )
 def test_slotune_serve_rejects_bad_flags_before_starting_ray(
