@@ -31,11 +31,15 @@ captured graph, and keeps the host from waiting on the GPU more than once a step
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from serving.model.transformer import Transformer
 from serving.scheduler.plan import DecodeEntry
+
+if TYPE_CHECKING:
+    from serving.engine.executor import Drawn
 
 MIN_WINDOW = 64
 
@@ -66,21 +70,25 @@ def _first_at_least(buckets: list[int], n: int) -> int:
 class Staging:
     """Lists to the device without a sync: on CUDA each goes through a pinned host buffer
     and an asynchronous copy (a copy from pageable memory waits for the GPU to drain).
-    The buffers are reused after :meth:`reset`, which the executor calls at the start of a
-    step: the last step ended by reading its tokens back, so its copies are done. On the
-    CPU a list simply becomes a tensor."""
+
+    Two sets of buffers, one per step in turn: :meth:`reset` at the start of a step turns
+    to the set the step before last used. The engine has waited for that step's tokens
+    before it launches the next one (with overlap it waits for step N-1 after launching
+    step N), so its copies are done. On the CPU a list simply becomes a tensor."""
 
     def __init__(self, device: torch.device, capacity: int = 1 << 14) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._sets: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
+        self._turn = 0
         self._used: dict[torch.dtype, int] = {}
-        self._retired: list[torch.Tensor] = []  # outgrown this step: kept until reset
+        self._retired: list[list[torch.Tensor]] = [[], []]  # outgrown: kept until reuse
         self._capacity = capacity
 
     def reset(self) -> None:
+        self._turn ^= 1
         self._used.clear()
-        self._retired.clear()
+        self._retired[self._turn].clear()
 
     def put(
         self, values: Sequence[int | float], dtype: torch.dtype, out: torch.Tensor | None = None
@@ -89,13 +97,14 @@ class Staging:
         src = torch.tensor(values, dtype=dtype)
         if not self.pinned:
             return src if out is None else out.copy_(src)
+        bufs = self._sets[self._turn]
         n, at = len(values), self._used.get(dtype, 0)
-        buf = self._bufs.get(dtype)
+        buf = bufs.get(dtype)
         if buf is None or at + n > buf.numel():
             if buf is not None:
-                self._retired.append(buf)  # its copies may still be in flight
+                self._retired[self._turn].append(buf)  # its copies may still be in flight
             size = max(self._capacity, 2 * (at + n))
-            buf = self._bufs[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
+            buf = bufs[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
             at = 0
         host = buf[at : at + n]
         host.copy_(src)
@@ -135,17 +144,34 @@ class DeviceDecode:
         longest = max(e.position for e in entries) + 1
         return _first_at_least(self.batches, top + 1), _first_at_least(self.windows, longest)
 
-    def logits(self, entries: Sequence[DecodeEntry]) -> tuple[list[str | None], torch.Tensor]:
+    def logits(
+        self, entries: Sequence[DecodeEntry], pending: Drawn | None = None
+    ) -> tuple[list[str | None], torch.Tensor]:
         """One decode step of ``entries``: the request of each row (None: a dummy row) and
-        the logits [B, V] (fp32; a graph's output, valid until the next step)."""
+        the logits [B, V] (fp32; a graph's output, valid until the next step). An entry
+        whose token the host does not have yet (None: sampled by the step still in
+        flight) takes it from ``pending``'s draws on the device."""
         b, w = self.shape_for(entries)
         tok = [0] * b
         pos = [self.max_len - 1] * b  # dummy rows: a position no request reads
         rows: list[str | None] = [None] * b
+        later: list[tuple[int, int]] = []  # (slot, row of pending's draws)
+        at = pending.row_of() if pending is not None else {}
         for e in entries:
-            tok[e.slot], pos[e.slot], rows[e.slot] = int(e.token), e.position, e.request_id
+            pos[e.slot], rows[e.slot] = e.position, e.request_id
+            if e.token is not None:
+                tok[e.slot] = int(e.token)
+            else:
+                later.append((e.slot, at[e.request_id]))
         self.staging.put(tok, torch.int64, out=self.tokens[:b])
         self.staging.put(pos, torch.int64, out=self.positions[:b])
+        if later:
+            assert pending is not None
+            put = self.staging.put
+            slots = put([s for s, _ in later], torch.int64)
+            self.tokens.index_copy_(
+                0, slots, pending.drawn.index_select(0, put([r for _, r in later], torch.int64))
+            )
         if not self.cuda_graphs:
             return rows, self.model.decode_window(self.tokens[:b], self.positions[:b], w)
         hit = self._graphs.get((b, w))

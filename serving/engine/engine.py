@@ -21,6 +21,7 @@ last token at the end of the step that sampled them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from serving.engine.executor import TorchExecutor
+from serving.engine.executor import Drawn, TorchExecutor
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer, load_tokenizer
@@ -120,11 +121,13 @@ class Engine:
         cpu_kernels: bool = True,
         device_decode: bool | None = None,
         cuda_graphs: bool | None = None,
+        overlap: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``device_decode``: decode steps of fixed shapes (serving/engine/device_decode.py;
         None: on CUDA, where ``cuda_graphs`` None captures them); the CPU's default is the
-        C kernels' path."""
+        C kernels' path. ``overlap`` (the device path only; None: with it): each step is
+        launched before the last one's tokens are waited for (see :meth:`step`)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: CUDA is not available here")
         if device == "cpu":
@@ -162,6 +165,13 @@ class Engine:
             device_decode=device_decode,
             cuda_graphs=cuda_graphs,
         )
+        dd = self.executor.device_decode is not None
+        self.overlap = dd if overlap is None else overlap
+        if self.overlap and not dd:
+            raise ValueError("overlap=True needs the device decode path (device_decode)")
+        # The step launched and not waited for yet, with what its update finished (see step)
+        self._inflight: tuple[StepPlan, Drawn, list[Finished]] | None = None
+        self._stop_ids: dict[str, frozenset[int]] = {}  # overlap: to finish records late
         self.tokenizer: Tokenizer = load_tokenizer(checkpoint, vocab_size=self.config.vocab_size)
         self.clock = clock
         self._temps: dict[str, float] = {}
@@ -221,6 +231,8 @@ class Engine:
         with self._lock:
             self.scheduler.add(req)
             self._temps[rid] = float(temperature)
+            if self.overlap and req.stop_ids:
+                self._stop_ids[rid] = req.stop_ids
             if min_tokens > 0 and banned:
                 self._min_tokens[rid] = [min_tokens, banned]
         return rid
@@ -235,6 +247,7 @@ class Engine:
     def abort_all(self) -> list[str]:
         """Drop every request (after a failed step); returns their ids."""
         with self._lock:
+            self._inflight = None
             ids = self.scheduler.active_ids()
             for rid in ids:
                 self.scheduler.abort(rid)
@@ -263,11 +276,21 @@ class Engine:
     @property
     def has_work(self) -> bool:
         with self._lock:
-            return self.scheduler.has_work
+            return self.scheduler.has_work or self._inflight is not None
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> StepOutput:
-        """One schedule / execute / update round."""
+        """One schedule / execute / update round.
+
+        With ``overlap`` a call schedules and launches step N, then waits for step N-1's
+        tokens (only for them: the device goes on with step N), hands them to the scheduler
+        and returns step N-1's output; so the host's work for a step (delivering the last
+        one's tokens, scheduling, preparing inputs) runs while the device computes the one
+        before it. Step N's decode inputs that step N-1 sampled are taken from its draws on
+        the device. A request that sampled a stop id in step N-1 also ran in step N; that
+        row is dropped (vLLM's async scheduling makes the same trade)."""
+        if self.overlap:
+            return self._overlapped_step()
         with self._lock:
             plan = self.scheduler.schedule(now_s=self.clock())
             sampling = plan.sampling_ids()
@@ -289,6 +312,79 @@ class Engine:
             self._steps += 1
             self._generated += len(tokens)
         return StepOutput(tokens=tokens, finished=finished, plan=plan)
+
+    def _overlapped_step(self) -> StepOutput:
+        with self._lock:
+            plan = self.scheduler.schedule(now_s=self.clock())
+            sampling = plan.sampling_ids()
+            temps = {rid: self._temps.get(rid, 0.0) for rid in sampling}
+            bans = self._bans_counted(sampling)
+        prev = self._inflight
+        pending = prev[1] if prev is not None else None
+        drawn = self.executor.launch(plan, temps, bans, pending) if not plan.is_empty else None
+        tokens = pending.wait() if pending is not None else {}  # step N-1 only
+        now = self.clock()
+        with self._lock:
+            finished: list[Finished] = []
+            if prev is not None:
+                k_prev = prev[0].step
+                stopped = self.scheduler.resolve(k_prev, tokens, now)
+                finished = self._complete(prev[2], tokens, now) + stopped
+                self._generated += len(tokens)
+            unknown: dict[str, int | None] = dict.fromkeys(drawn.rows) if drawn else {}
+            done_now = self.scheduler.update(plan, unknown, now_s=now)
+            self._inflight = (plan, drawn, done_now) if drawn is not None else None
+            if drawn is None and done_now:  # nothing sampled: nothing to wait for
+                finished += done_now
+            for f in finished:
+                self._temps.pop(f.request_id, None)
+                self._min_tokens.pop(f.request_id, None)
+                self._stop_ids.pop(f.request_id, None)
+            self._steps += 1
+        return StepOutput(tokens=tokens, finished=finished, plan=prev[0] if prev else plan)
+
+    def _bans_counted(self, sampling: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
+        """The ``min_tokens`` bans of a step's sampling requests, counted down as the step
+        is scheduled (with overlap the tokens arrive a step late; a scheduled sampling row
+        makes one token unless its request ends, and then the count no longer matters)."""
+        mins = self._min_tokens
+        if not mins:
+            return None
+        bans = {}
+        for rid in sampling:
+            m = mins.get(rid)
+            if m is None:
+                continue
+            bans[rid] = m[1]
+            m[0] -= 1
+            if m[0] <= 0:
+                del mins[rid]
+        return bans
+
+    def _complete(
+        self, records: list[Finished], tokens: dict[str, int], now: float
+    ) -> list[Finished]:
+        """The records a step's ``update`` finished (``max_tokens`` reached) before its
+        tokens were known: each gets its last token, the time that token reached the host,
+        and reason "stop" if it is a stop id (as the engine without overlap decides)."""
+        out = []
+        for f in records:
+            tok = tokens.get(f.request_id)
+            if tok is None:
+                out.append(f)
+                continue
+            t = f.timing
+            first = now if t.generated_tokens == 1 else t.first_token_s
+            reason = "stop" if tok in self._stop_ids.get(f.request_id, ()) else f.reason
+            out.append(
+                dataclasses.replace(
+                    f,
+                    reason=reason,
+                    output_ids=(*f.output_ids, tok),
+                    timing=dataclasses.replace(t, first_token_s=first, last_token_s=now),
+                )
+            )
+        return out
 
     def execute(
         self,

@@ -68,7 +68,6 @@ class TorchExecutor:
             else None
         )
 
-    @torch.inference_mode()
     def execute(
         self,
         plan: StepPlan,
@@ -77,11 +76,26 @@ class TorchExecutor:
     ) -> dict[str, int]:
         """Run the model for one plan; returns the token each sampling request drew
         (never one of its ``bans``)."""
-        self.staging.reset()  # the last step ended with a sync: its copies are done
+        drawn = self.launch(plan, temps, bans)
+        return drawn.wait() if drawn is not None else {}
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        plan: StepPlan,
+        temps: dict[str, float],
+        bans: dict[str, tuple[int, ...]] | None = None,
+        pending: Drawn | None = None,
+    ) -> Drawn | None:
+        """Start one plan on the device and return its draws, still on their way to the
+        host (None: no request samples). ``pending``: the step launched before, not waited
+        for yet: the decode entries whose token is None take it from its draws on the
+        device (the device path only)."""
+        self.staging.reset()
         rows: list[str | None] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
-            rows_d, logits_d = self._decode(plan)
+            rows_d, logits_d = self._decode(plan, pending)
             rows += rows_d
             logits.append(logits_d)
         # Prefill chunks in one forward on the device path (a GPU has compute to spare
@@ -94,9 +108,10 @@ class TorchExecutor:
             rows += rows_p
             logits.append(logits_p)
         if not any(r is not None for r in rows):
-            return {}
+            return None
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [R, V]
-        return draw(rows, all_logits, temps, self._gen, bans, staging=self.staging)
+        kept, drawn = sample_rows(rows, all_logits, temps, self._gen, bans, staging=self.staging)
+        return Drawn.start(kept, drawn)
 
     def _prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[list[str | None], torch.Tensor]:
         """One forward for every chunk of the step: [N, T] left-padded rows."""
@@ -116,10 +131,12 @@ class TorchExecutor:
         out = self.model(toks, poss, put(slots, torch.int64), slot_start=slots[0] if run else None)
         return [c.request_id if c.last else None for c in chunks], out  # [N, V]
 
-    def _decode(self, plan: StepPlan) -> tuple[list[str | None], torch.Tensor]:
+    def _decode(
+        self, plan: StepPlan, pending: Drawn | None
+    ) -> tuple[list[str | None], torch.Tensor]:
         entries = sorted(plan.decode, key=lambda e: e.slot)
         if self.device_decode is not None:
-            return self.device_decode.logits(entries)
+            return self.device_decode.logits(entries, pending)
         tokens, positions, slots, start, keep = decode_inputs(entries, self.max_len, self.device)
         logits = self.model(tokens, positions, slots, slot_start=start)  # [span or B, V]
         if keep is not None:  # drop the dummy rows (a copy of [B, V] fp32 logits)
@@ -163,7 +180,40 @@ def decode_inputs(
     )
 
 
-def draw(
+class Drawn:
+    """The tokens one step drew: on the device (``drawn``, [R]) and on their way to the
+    host (a pinned copy and an event on CUDA). :meth:`wait` is the step's one wait for
+    the device, for this step only: work launched after it keeps the GPU busy."""
+
+    def __init__(self, rows: list[str], drawn: torch.Tensor) -> None:
+        self.rows, self.drawn = rows, drawn
+        self.host = drawn
+        self.event: torch.cuda.Event | None = None
+        self._row_of: dict[str, int] | None = None
+
+    @classmethod
+    def start(cls, rows: list[str], drawn: torch.Tensor) -> Drawn:
+        d = cls(rows, drawn)
+        if drawn.device.type == "cuda":
+            d.host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+            d.host.copy_(drawn, non_blocking=True)
+            d.event = torch.cuda.Event()
+            d.event.record()
+        return d
+
+    def row_of(self) -> dict[str, int]:
+        if self._row_of is None:
+            self._row_of = {r: i for i, r in enumerate(self.rows)}
+        return self._row_of
+
+    def wait(self) -> dict[str, int]:
+        """request id -> token, once this step's draws reached the host."""
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.rows, self.host.tolist(), strict=True))
+
+
+def sample_rows(
     rows: Sequence[str | None],
     logits: torch.Tensor,
     temps: dict[str, float],
@@ -171,27 +221,38 @@ def draw(
     bans: dict[str, tuple[int, ...]] | None = None,
     *,
     staging: Staging | None = None,
-) -> dict[str, int]:
-    """The host work after a forward: sample one token per row of ``logits`` [R, V]
-    (fp32) at each request's temperature and hand them back to Python (the step's one
-    wait for the device). Rows named None are dropped (dummy rows, prefill chunks that do
-    not end a prompt). ``bans``: ids a request may not sample (its logits become -inf in
-    place: ``min_tokens``). ``staging``: how lists reach the device (serving/engine/
-    device_decode.py ``Staging``; None: a plain copy)."""
+) -> tuple[list[str], torch.Tensor]:
+    """Sample one token per row of ``logits`` [R, V] (fp32) at each request's
+    temperature, on the logits' device: (the requests, their tokens [R']). Rows named None
+    are dropped first (dummy rows, prefill chunks that do not end a prompt), so a request
+    draws as it would alone. ``bans``: ids a request may not sample (its logits become
+    -inf in place: ``min_tokens``). ``staging``: how lists reach the device
+    (serving/engine/device_decode.py ``Staging``; None: a plain copy)."""
     put = staging.put if staging is not None else _plain_put(logits.device)
-    if any(r is None for r in rows):  # sample the requests' rows only, as if alone
+    kept = [r for r in rows if r is not None]
+    if len(kept) < len(rows):
         keep = [i for i, r in enumerate(rows) if r is not None]
         logits = logits.index_select(0, put(keep, torch.int64))  # [R', V]
-        rows = [rows[i] for i in keep]
     if bans:
-        r_idx = [i for i, r in enumerate(rows) for _ in bans.get(r, ())]
-        v_idx = [t for r in rows for t in bans.get(r, ())]
-        if r_idx:  # [R, V] at the banned (row, id) pairs
+        r_idx = [i for i, r in enumerate(kept) for _ in bans.get(r, ())]
+        v_idx = [t for r in kept for t in bans.get(r, ())]
+        if r_idx:  # [R', V] at the banned (row, id) pairs
             logits[put(r_idx, torch.int64), put(v_idx, torch.int64)] = -math.inf
-    tl = [temps.get(r, 0.0) for r in rows]
-    t = put(tl, torch.float32)  # [R]
-    drawn = sample(logits, t, gen, any_hot=any(x > 0 for x in tl)).tolist()
-    return dict(zip(rows, drawn, strict=True))
+    tl = [temps.get(r, 0.0) for r in kept]
+    return kept, sample(logits, put(tl, torch.float32), gen, any_hot=any(x > 0 for x in tl))
+
+
+def draw(
+    rows: Sequence[str | None],
+    logits: torch.Tensor,
+    temps: dict[str, float],
+    gen: torch.Generator,
+    bans: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, int]:
+    """The host work after a forward: :func:`sample_rows`, and the tokens back to Python
+    (a wait for the device)."""
+    kept, drawn = sample_rows(rows, logits, temps, gen, bans)
+    return dict(zip(kept, drawn.tolist(), strict=True))
 
 
 def _plain_put(device: torch.device):

@@ -309,6 +309,38 @@ class Scheduler(SchedulerState):
             done.sort(key=lambda d: d[0])  # decode batch (admission order), then prompts
         return [f for _, f in done]
 
+    def resolve(self, k: int, sampled: Mapping[str, int], now_s: float) -> list[Finished]:
+        """Hand in the tokens of step ``k`` after its ``update`` took None for them (an
+        engine that launches step ``k + 1`` before it has step ``k``'s tokens: the device
+        path's overlap). Call it before step ``k + 1``'s ``update``. Each token takes its
+        place; a request whose first token this is gets ``now_s`` as its first-token time
+        (the token reached the host now, not at the ``update``); one that sampled a stop id
+        finishes now with reason "stop", and its entry in step ``k + 1``'s plan is ignored
+        like an aborted request's. Requests that finished in step ``k``'s ``update``
+        (``max_tokens`` reached) or were aborted since are skipped: the caller completes
+        their records. Returns the finished, in the order of ``sampled``."""
+        running = self._running
+        done: list[Finished] = []
+        for rid, tok in sampled.items():
+            s = running.get(rid)
+            if s is None or s.tokens is None:
+                continue
+            d = s.dec_start
+            if d == k + 1:
+                idx = 0  # its prompt's last chunk ran in step k
+                s.first_token_s = now_s
+            elif 0 <= d <= k:
+                idx = k - d + 1
+            else:
+                continue
+            toks = s.tokens
+            if idx >= len(toks) or toks[idx] is not None:
+                continue
+            toks[idx] = tok
+            if tok in s.stop_ids:
+                done.append(self._finish(s, "stop", idx + 1, now_s))
+        return done
+
     def _start_decoding(self, s: Seq, k: int) -> None:
         """``s`` sampled its first token in step ``k``: it decodes from step ``k + 1``."""
         s.dec_start = d = k + 1

@@ -127,22 +127,131 @@ def test_engine_on_the_device_path_generates_what_the_cpu_path_does(temperature)
 
 @pytest.mark.gpu
 def test_cuda_graphs_replay_what_eager_runs_with_one_sync_a_step() -> None:
+    """On a GPU: graphs (and overlap) give the eager path's tokens, and a decode step makes
+    at most one synchronizing call torch's sync debug mode sees (the overlapped step
+    waits on an event for the step before it; that wait is not such a call)."""
+    import warnings
+
     outs = []
     for graphs in (False, True):
-        eng = _engine(device="cuda", cuda_graphs=graphs)
+        eng = _engine(device="cuda", cuda_graphs=graphs, overlap=graphs)
         rids = [eng.add_request(list(range(1, 2 + 7 * i)), max_tokens=20) for i in range(4)]
-        eng.step()
-        eng.step()  # prompts in; decode steps from here
+        done = {}
+        for _ in range(3):  # prompts in; decode steps from here
+            done |= {f.request_id: f.output_ids for f in eng.step().finished}
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            with pytest.warns(UserWarning) as seen:
-                eng.step()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                done |= {f.request_id: f.output_ids for f in eng.step().finished}
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        if graphs:
-            assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1
-        done = {f.request_id: f.output_ids for f in eng.run_until_idle()}
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        assert len(syncs) <= 1, [str(w.message) for w in syncs]
+        done |= {f.request_id: f.output_ids for f in eng.run_until_idle()}
         outs.append([done[r] for r in rids])
         if graphs:
             assert eng.executor.device_decode.graphs_captured >= 1
     assert outs[0] == outs[1]
+
+
+def _run(eng: Engine, requests: list[dict]) -> dict[int, tuple[str, list[int], int]]:
+    """Add the requests (every other one after a step, joining running decodes) and run
+    to the end: index -> (reason, output ids, generated tokens)."""
+    ids = {}
+    done = []
+    for i, r in enumerate(requests):
+        ids[eng.add_request(**r)] = i
+        if i % 2:
+            done += eng.step().finished
+    done += eng.run_until_idle()
+    assert not eng.has_work
+    return {
+        ids[f.request_id]: (f.reason, list(f.output_ids), f.timing.generated_tokens) for f in done
+    }
+
+
+def _requests(stops: dict[int, tuple[int, ...]], **extra) -> list[dict]:
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for i, (n, mt) in enumerate(((4, 9), (25, 1), (9, 14), (2, 6), (40, 11), (13, 3))):
+        prompt = torch.randint(0, 512, (n,), generator=g).tolist()
+        out.append(dict(prompt_ids=prompt, max_tokens=mt, stop_ids=stops.get(i, ())) | extra)
+    return out
+
+
+def test_overlap_finishes_as_the_engine_without_it() -> None:
+    """Step N launched before step N-1's tokens are known: stop ids sampled mid-stream,
+    as a first token, and as the last token a request may have all end requests exactly
+    as the engine that waits for every step (reason, tokens, counts); min_tokens too."""
+    plain = _run(_engine(device_decode=True, overlap=False), _requests({}))
+    stops = {
+        0: (plain[0][1][3],),  # its 4th token: a stop mid-stream
+        1: (plain[1][1][0],),  # max_tokens 1 and its only token a stop id
+        2: (plain[2][1][0],),  # its first token
+        4: (plain[4][1][10],),  # its last allowed token (max_tokens 11)
+    }
+    for extra in ({}, {"min_tokens": 2}, {"temperature": 0.7}):
+        want = _run(_engine(device_decode=True, overlap=False), _requests(stops, **extra))
+        eng = _engine(device_decode=True)
+        assert eng.overlap
+        got = _run(eng, _requests(stops, **extra))
+        assert got == want
+        if not extra:  # each stops at the first time it samples its stop id
+            for i, (stop,) in stops.items():
+                at = plain[i][1].index(stop)
+                assert want[i] == ("stop", plain[i][1][: at + 1], at + 1)  # the stop id kept
+
+
+def test_overlap_times_a_token_when_it_reaches_the_host() -> None:
+    """A token's time is when its step's draws were waited for, not the earlier update."""
+    ticks = iter(range(10_000))
+    eng = _engine(device_decode=True, clock=lambda: float(next(ticks)))
+    eng.add_request([1, 2, 3], max_tokens=4)
+    eng.step()  # launches the prompt's step; its token is not back yet
+    (f,) = eng.run_until_idle()
+    t = f.timing
+    assert t.arrival_s < t.admitted_s < t.first_token_s < t.last_token_s
+    assert t.generated_tokens == 4 == len(f.output_ids)
+
+
+def test_overlap_needs_the_device_path() -> None:
+    with pytest.raises(ValueError, match="overlap=True needs the device decode path"):
+        _engine(overlap=True)
+
+
+def test_async_engine_streams_the_overlapped_steps() -> None:
+    """The asyncio face over an overlapping engine: the same tokens as the engine without
+    overlap, every stream ends, and a consumer that quits mid-stream frees its slot."""
+    import asyncio
+
+    from serving.engine.async_engine import AsyncEngine
+
+    prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12, 13, 14]]
+    ref = _engine(device_decode=True, overlap=False)
+    want = [ref.generate(p, max_tokens=7) for p in prompts]
+    aeng = AsyncEngine(_engine(device_decode=True))
+    finished = []
+    aeng.on_finish = finished.append
+    aeng.start()
+    try:
+
+        async def collect(p):
+            return [t async for t in aeng.generate(p, max_tokens=7)]
+
+        async def quitter():
+            gen = aeng.generate([5, 6], max_tokens=40, request_id="quitter")
+            got = [await gen.__anext__() for _ in range(2)]
+            await gen.aclose()
+            return got
+
+        async def main():
+            return await asyncio.gather(*(collect(p) for p in prompts), quitter())
+
+        outs = asyncio.run(main())
+    finally:
+        aeng.stop()
+    assert outs[:3] == want and len(outs[3]) == 2
+    assert sorted(t.generated_tokens for t in finished) == [7, 7, 7]
+    s = aeng.stats()
+    assert (s.running, s.waiting) == (0, 0)
