@@ -41,6 +41,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,8 +67,10 @@ SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 CATALOG = {"tiny": "slotune-tiny", "small": "slotune-small", "8b": "llama-3.1-8b"}
 # --paths: how a decode step runs. "engine": the engine's full-row path (on the CPU the C
 # kernels; on a GPU eager torch, the baseline); "window": the device path
-# (serving/engine/device_decode.py) without CUDA graphs; "graphs": with them (CUDA only).
-PATHS = ("engine", "window", "graphs")
+# (serving/engine/device_decode.py) without CUDA graphs; "graphs": with them (CUDA only);
+# "overlap": graphs (on CUDA) with each step launched before the last one's tokens are
+# waited for, as the engine runs them there: the time of a step in a steady run.
+PATHS = ("engine", "window", "graphs", "overlap")
 
 
 def config_for(name: str, dtype: str) -> ModelConfig:
@@ -92,7 +95,12 @@ def spec_for(cfg: ModelConfig) -> ModelSpec:
 
 
 def time_step(
-    eng: Engine | TorchExecutor, batch: int, context: int, reps: int, budget_s: float
+    eng: Engine | TorchExecutor,
+    batch: int,
+    context: int,
+    reps: int,
+    budget_s: float,
+    overlap: bool = False,
 ) -> list[float]:
     """Seconds of each timed decode step after warm-up (``eng``: an engine, or one of the
     executors over its model and cache)."""
@@ -106,8 +114,9 @@ def time_step(
     )
     temps = {f"b{i}": 0.0 for i in range(batch)}
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    if isinstance(eng, TorchExecutor):
-        eng.staging.reset()
+    if overlap:
+        assert isinstance(eng, TorchExecutor)
+        return time_overlapped(eng, plan, temps, reps, budget_s, sync)
     for _ in range(2):  # warm-up
         eng.execute(plan, temps)
     sync()
@@ -118,6 +127,34 @@ def time_step(
         eng.execute(plan, temps)
         sync()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_overlapped(
+    ex: TorchExecutor, plan: StepPlan, temps: dict, reps: int, budget_s: float, sync
+) -> list[float]:
+    """Seconds a step of a run of overlapped steps (each launched with the step before as
+    pending, its tokens taken from that step's draws on the device, then the step before
+    waited for), per run of ``reps`` steps after warm-up."""
+    unknown = StepPlan(decode=tuple(replace(e, token=None) for e in plan.decode))
+
+    def run(n: int) -> None:
+        prev = ex.launch(plan, temps)
+        for _ in range(n):
+            cur = ex.launch(unknown, temps, pending=prev)
+            prev.wait()
+            prev = cur
+        prev.wait()
+
+    run(2)  # warm-up (captures the graph)
+    sync()
+    times: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 12):
+        t0 = time.perf_counter()
+        run(reps)
+        sync()
+        times.append((time.perf_counter() - t0) / (reps + 1))
     return times
 
 
@@ -168,7 +205,7 @@ def main() -> None:
     if bad or paths[0] != "engine":
         raise SystemExit(
             f"--paths {args.paths}: must start with 'engine', then any of {PATHS[1:]} "
-            "('graphs' on CUDA only)"
+            "('graphs' on CUDA only; 'overlap' runs graphs where they are)"
         )
     cfg = config_for(args.model, args.dtype)
     dt = SHORT_DTYPE[args.dtype]
@@ -187,7 +224,7 @@ def main() -> None:
     for p in paths[1:]:  # over the same model and cache
         runners[p] = TorchExecutor(
             model=eng.model, device=eng.device, max_len=args.context, device_decode=True,
-            cuda_graphs=p == "graphs",
+            cuda_graphs=p != "window" and eng.device.type == "cuda",
         )  # fmt: skip
     with torch.no_grad():
         for c in eng.model.caches():
@@ -211,7 +248,9 @@ def main() -> None:
             for b in batches:
                 for p, runner in runners.items():
                     budget = args.budget_s / args.passes
-                    path_times[p][b] += time_step(runner, b, args.context, per_pass, budget)
+                    path_times[p][b] += time_step(
+                        runner, b, args.context, per_pass, budget, overlap=p == "overlap"
+                    )
                 times[b] = path_times["engine"][b]
             passes_done += 1
 
