@@ -4,8 +4,7 @@
 # the built-in small model and an 8B shape (random weights drawn in place), by path:
 # the engine's eager full-row path (the baseline), the device path without CUDA graphs,
 # with them, and with them overlapped (serving/engine/device_decode.py); then the
-# GPU-marked tests (graphs replay
-# what eager runs; one host sync a step).
+# GPU-marked tests (graphs replay what eager runs; one host sync a step).
 # Needs python3 with a CUDA torch, numpy, scipy, safetensors (pytest for the tests);
 # writes its logs to $OUT (or ./gpu-out).
 set -uo pipefail
