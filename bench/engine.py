@@ -67,7 +67,8 @@ SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 CATALOG = {"tiny": "slotune-tiny", "small": "slotune-small", "8b": "llama-3.1-8b"}
 # --paths: how a decode step runs. "engine": the engine's full-row path (on the CPU the C
 # kernels; on a GPU eager torch, the baseline); "window": the device path
-# (serving/engine/device_decode.py) without CUDA graphs; "graphs": with them (CUDA only);
+# (serving/engine/device_decode.py: FlexAttention on CUDA, SDPA over a window on the CPU)
+# without CUDA graphs; "graphs": with them (CUDA only);
 # "overlap": graphs (on CUDA) with each step launched before the last one's tokens are
 # waited for, as the engine runs them there: the time of a step in a steady run.
 PATHS = ("engine", "window", "graphs", "overlap")

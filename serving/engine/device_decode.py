@@ -9,28 +9,35 @@ captured graph, and keeps the host from waiting on the GPU more than once a step
   hands out the lowest free slot first, so the running requests sit near the bottom, and
   B is the smallest bucket (1, 2, 4, ..., ``max_slots``) covering the highest running
   slot. Slots without a request among them are dummy rows whose logits are dropped.
-- **Attention** reads the first ``W`` positions of each slot's cache row as a view (no
-  gather), with SDPA and a per-row mask of the row's own length: ``W`` is the smallest
-  window bucket (64 x 2^k and 1.5x between, up to ``max_len``) covering the longest
-  request in the step, so a step reads at most 1.5x the keys of its longest request per
-  row, instead of whole ``max_len`` rows. Rows shorter than the longest read their
-  window's masked tail: a paged layout would skip it.
-- **Graphs.** On CUDA each (B, W) pair is captured once, on first use, into one shared
-  memory pool; its inputs (tokens, positions) are static device buffers filled from pinned
-  host buffers without a sync. The capture's warm-up runs write the same K/V the step
-  writes, so capturing on a live step changes nothing. On the CPU the same function runs
-  directly (CUDA graphs need a GPU; the C kernels stay the CPU's decode path, and this
-  one is used there only when asked: tests/serving/test_device_decode.py).
+- **Attention.** On CUDA, FlexAttention (:class:`FlexAttend`, compiled) over whole cache
+  rows with a block mask of each row's own length: a row reads ``ceil((position + 1) /
+  128)`` key blocks of its slot and no more, whatever the other rows' lengths. Elsewhere
+  (and when asked: ``attention="sdpa"``) SDPA over the first ``W`` positions of each
+  row as a view (no gather) with a per-row mask: ``W`` is the smallest window bucket (64
+  x 2^k and 1.5x between, up to ``max_len``) covering the longest request in the step,
+  so every row reads up to 1.5x the longest request's keys.
+- **Graphs.** On CUDA each (B, W) pair is captured once into one shared memory pool;
+  with FlexAttention W is always ``max_len``, and every batch bucket is captured when the
+  engine starts (:meth:`DeviceDecode.warm_up`), so no request waits for a compile. Inputs
+  (tokens, positions) are static device buffers filled from pinned host buffers without
+  a sync. The capture's warm-up runs write the same K/V the step writes, so capturing on
+  a live step changes nothing. On the CPU the same function runs directly (CUDA graphs
+  need a GPU; the C kernels stay the CPU's decode path, and this one is used there only
+  when asked: tests/serving/test_device_decode.py, which also runs FlexAttention compiled
+  on the CPU).
 - **One sync a step.** Every list the step sends (tokens, positions, temperatures, the
   prefill rows) goes through pinned buffers with asynchronous copies (:class:`Staging`);
-  sampling runs on the device, and the step's one wait for the GPU is reading the sampled
-  tokens back (``tolist``, serving/engine/executor.py ``draw``). Prefill logits join the
-  decode logits for that one sampling call.
+  sampling runs on the device, and prefill logits join the decode logits for one
+  sampling call. The host then waits for nothing but the step's tokens (an event), and
+  with the engine's overlap (serving/engine/engine.py ``Engine.step``) it waits for step
+  N-1's only after launching step N, whose inputs from step N-1 it takes from that
+  step's draws on the device: the host schedules and prepares step N+1 while the GPU
+  runs step N.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +120,62 @@ class Staging:
         return dst.copy_(host, non_blocking=True)
 
 
+KV_BLOCK = 128  # FlexAttention's key block: rows read whole blocks of it
+ATTENTIONS = ("flex", "sdpa")
+_flex_compiled: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _flex(device_type: str) -> Callable[..., torch.Tensor]:
+    """FlexAttention compiled (uncompiled it is a reference implementation that
+    materializes every score), once per process and device type. On CUDA batch sizes after
+    the first compile as dynamic (torch.compile's automatic dynamic shapes), so the buckets
+    share a kernel. On the CPU each shape compiles apart: inductor's C++ code for flex with
+    a dynamic batch did not compile (torch 2.13: an undeclared ``cur_qSplitSize8``)."""
+    fn = _flex_compiled.get(device_type)
+    if fn is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        dynamic = False if device_type == "cpu" else None
+        fn = _flex_compiled[device_type] = torch.compile(flex_attention, dynamic=dynamic)
+    return fn
+
+
+class FlexAttend:
+    """Attention of a decode step of slots 0..B-1 that reads, per row, only the key blocks
+    its own length covers (``ceil((position + 1) / KV_BLOCK)`` blocks of its cache row),
+    with FlexAttention and a block mask whose tensors are fixed buffers: ``begin`` refills
+    the per-row block counts from the step's positions on the device, so a captured graph
+    replays it. The mask inside the last block hides positions past the row's own."""
+
+    def __init__(self, positions: torch.Tensor, max_len: int) -> None:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, dev = positions.shape[0], positions.device
+        blocks = -(-max_len // KV_BLOCK)
+        self.kv_num = torch.ones(b, 1, 1, dtype=torch.int32, device=dev)
+        order = torch.arange(blocks, dtype=torch.int32, device=dev)
+        kv_idx = order.view(1, 1, 1, blocks).expand(b, 1, 1, blocks).contiguous()
+        pos = positions  # a fixed view: the mask reads each step's positions from it
+
+        def own_length(b_idx, h_idx, q_idx, kv_pos):
+            return kv_pos <= pos[b_idx]
+
+        self.block_mask = BlockMask.from_kv_blocks(
+            self.kv_num, kv_idx, BLOCK_SIZE=KV_BLOCK, mask_mod=own_length,
+            seq_lengths=(1, max_len),
+        )  # fmt: skip
+
+    def begin(self, positions: torch.Tensor) -> None:
+        self.kv_num.copy_(((positions + KV_BLOCK) // KV_BLOCK).view(-1, 1, 1))
+
+    def __call__(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return _flex(q.device.type)(
+            q, keys, values, block_mask=self.block_mask, scale=scale, enable_gqa=True
+        )
+
+
 class DeviceDecode:
     def __init__(
         self,
@@ -123,10 +186,15 @@ class DeviceDecode:
         generator: torch.Generator,
         staging: Staging,
         cuda_graphs: bool | None = None,
+        attention: str | None = None,
     ) -> None:
         dev = model.lm_head.weight.device
         self.model, self.device, self.max_len, self.gen = model, dev, max_len, generator
         self.staging = staging
+        self.attention = attention or ("flex" if dev.type == "cuda" else "sdpa")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r}: must be one of {', '.join(ATTENTIONS)}")
+        self._attend: dict[int, FlexAttend] = {}
         self.cuda_graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and dev.type != "cuda":
             raise ValueError(f"cuda_graphs=True: the model is on {dev}, not a CUDA device")
@@ -141,6 +209,8 @@ class DeviceDecode:
     def shape_for(self, entries: Sequence[DecodeEntry]) -> tuple[int, int]:
         """(B, W) of a step of ``entries``."""
         top = max(e.slot for e in entries)
+        if self.attention == "flex":  # whole rows, each read as far as its own length
+            return _first_at_least(self.batches, top + 1), self.max_len
         longest = max(e.position for e in entries) + 1
         return _first_at_least(self.batches, top + 1), _first_at_least(self.windows, longest)
 
@@ -173,7 +243,7 @@ class DeviceDecode:
                 0, slots, pending.drawn.index_select(0, put([r for _, r in later], torch.int64))
             )
         if not self.cuda_graphs:
-            return rows, self.model.decode_window(self.tokens[:b], self.positions[:b], w)
+            return rows, self.model.decode_window(*self._args(b, w))
         hit = self._graphs.get((b, w))
         if hit is None:
             hit = self._capture(b, w)
@@ -181,8 +251,17 @@ class DeviceDecode:
         graph.replay()
         return rows, out
 
+    def _args(self, b: int, w: int) -> tuple:
+        """decode_window's arguments for a (B, W) step: fixed views of the static inputs."""
+        attend = None
+        if self.attention == "flex":
+            attend = self._attend.get(b)
+            if attend is None:
+                attend = self._attend[b] = FlexAttend(self.positions[:b], self.max_len)
+        return self.tokens[:b], self.positions[:b], w, attend
+
     def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        args = (self.tokens[:b], self.positions[:b], w)
+        args = self._args(b, w)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up off the capture (lazy inits, autotuning)
@@ -194,6 +273,21 @@ class DeviceDecode:
             out = self.model.decode_window(*args)
         self._graphs[(b, w)] = (graph, out)
         return graph, out
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Capture every batch bucket's graph now, before serving (with FlexAttention a
+        step's window is always ``max_len``: one graph a bucket), so no request waits for a
+        first compile and capture mid-stream. The captures' dummy rows write K/V only at
+        position ``max_len - 1``, which no request reads. Returns the graphs captured."""
+        if not (self.cuda_graphs and self.attention == "flex"):
+            return 0
+        for b in self.batches:
+            if (b, self.max_len) not in self._graphs:
+                self.tokens[:b].zero_()
+                self.positions[:b].fill_(self.max_len - 1)
+                self._capture(b, self.max_len)
+        return len(self._graphs)
 
     @property
     def graphs_captured(self) -> int:

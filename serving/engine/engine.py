@@ -121,13 +121,15 @@ class Engine:
         cpu_kernels: bool = True,
         device_decode: bool | None = None,
         cuda_graphs: bool | None = None,
+        attention: str | None = None,
         overlap: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``device_decode``: decode steps of fixed shapes (serving/engine/device_decode.py;
-        None: on CUDA, where ``cuda_graphs`` None captures them); the CPU's default is the
-        C kernels' path. ``overlap`` (the device path only; None: with it): each step is
-        launched before the last one's tokens are waited for (see :meth:`step`)."""
+        None: on CUDA, where ``cuda_graphs`` None captures them, and ``attention`` None is
+        FlexAttention); the CPU's default is the C kernels' path. ``overlap`` (the device
+        path only; None: with it): each step is launched before the last one's tokens are
+        waited for (see :meth:`step`)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: CUDA is not available here")
         if device == "cpu":
@@ -164,7 +166,13 @@ class Engine:
             seed=seed,
             device_decode=device_decode,
             cuda_graphs=cuda_graphs,
+            attention=attention,
         )
+        if self.executor.device_decode is not None:
+            t0 = time.monotonic()
+            n = self.executor.device_decode.warm_up()
+            if n:
+                logger.info("captured %d decode graphs in %.1f s", n, time.monotonic() - t0)
         dd = self.executor.device_decode is not None
         self.overlap = dd if overlap is None else overlap
         if self.overlap and not dd:

@@ -48,9 +48,11 @@ class TorchExecutor:
         seed: int = 0,
         device_decode: bool | None = None,
         cuda_graphs: bool | None = None,
+        attention: str | None = None,
     ) -> None:
         """``device_decode``: decode steps by :class:`DeviceDecode` (None: on CUDA);
-        ``cuda_graphs``: whether it captures them (None: on CUDA)."""
+        ``cuda_graphs``: whether it captures them (None: on CUDA); ``attention``: its
+        kernel, "flex" or "sdpa" (None: flex on CUDA)."""
         self.model, self.device, self.max_len = model, device, max_len
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self.staging = Staging(device)
@@ -63,6 +65,7 @@ class TorchExecutor:
                 generator=self._gen,
                 cuda_graphs=cuda_graphs,
                 staging=self.staging,
+                attention=attention,
             )
             if use
             else None

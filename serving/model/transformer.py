@@ -32,6 +32,7 @@ where they can: serving/kernels/cpu_step.py; docs/serving.md "CPU kernels").
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -133,15 +134,22 @@ class Attention(FusedHF):
         sin_signed: torch.Tensor,  # [B, 1, 1, D]
         rows: torch.Tensor,  # [B, 1, 2*Hkv]: cache_rows of the step
         visible: torch.Tensor,  # [B, 1, 1, W] bool: key positions each row attends to
+        attend: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode step of slots 0..B-1 reading the first W positions of their cache rows
-        (a view: no gather) with SDPA; see :meth:`Transformer.decode_window`."""
+        (a view: no gather) with SDPA, or, given ``attend(q [B, H, 1, D], keys, values
+        [B, Hkv, L, D], scale)``, with it over whole rows; see
+        :meth:`Transformer.decode_window`."""
         b = x.shape[0]
         h, hkv, d = self.n_heads, self.n_kv, self.hd
         w = visible.shape[-1]
         qkv = self.qkv_proj.forward(x).view(b, 1, h + 2 * hkv, d)
         apply_rope_(qkv.narrow(2, 0, h + hkv), cos, sin_signed)
         self.kv_cache.view(-1, d).index_put_((rows,), qkv.narrow(2, h, 2 * hkv))
+        if attend is not None:  # it reads only the blocks each row's length covers
+            keys, values = self.kv_cache.narrow(1, 0, b).unbind(0)  # [B, Hkv, L, D]
+            q = qkv.narrow(2, 0, h).transpose(1, 2)  # [B, H, 1, D]
+            return attend(q, keys, values, d**-0.5).transpose(1, 2).reshape(b, 1, h * d)
         keys, values = self.kv_cache.narrow(1, 0, b).narrow(3, 0, w).unbind(0)  # [B,Hkv,W,D]
         # The g query heads of a KV head as g query rows of it (Hugging Face repeat_kv
         # order): no K/V expansion, and a kernel that takes a mask reads each key once.
@@ -407,6 +415,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,  # [B] int64: the token of slot i in row i
         positions: torch.Tensor,  # [B] int64
         window: int,
+        attend: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [B, V] (fp32) of a decode step of slots 0..B-1, each at its own position,
         attending to the first ``window`` positions of its cache row (at least its
@@ -415,7 +424,11 @@ class Transformer(nn.Module):
         The device decode path (serving/engine/device_decode.py): fixed shapes for a
         (B, window) pair, no host sync, cache read as views, so a step can be captured as
         a CUDA graph. Rows without a request (holes among slots 0..B-1) take position
-        ``max_len - 1``, which no request reads, and their logits are discarded."""
+        ``max_len - 1``, which no request reads, and their logits are discarded.
+
+        ``attend``: the attention of every layer instead of SDPA over the window (the
+        device path's FlexAttention, which reads only the key blocks each row's own length
+        covers: serving/engine/device_decode.py); its ``begin(positions)`` runs once first."""
         cfg = self.config
         b = tokens.shape[0]
         x = self.model.embed_tokens(tokens).unsqueeze(1)  # [B, 1, d_model]
@@ -425,9 +438,11 @@ class Transformer(nn.Module):
         rows = cache_rows(slots, positions[:, None], self.max_slots, cfg.n_kv_heads, self.max_len)
         key_pos = torch.arange(window, device=tokens.device)  # [W]
         visible = (key_pos <= positions[:, None]).view(b, 1, 1, window)  # [B, 1, 1, W]
+        if attend is not None:
+            attend.begin(positions)  # type: ignore[attr-defined]
         for layer in self.model.layers:
             attn = layer.self_attn.window_forward(
-                layer.input_layernorm.forward(x), cos, sin, rows, visible
+                layer.input_layernorm.forward(x), cos, sin, rows, visible, attend
             )
             x = layer.self_attn.o_proj.add_forward(attn, x)
             x = layer.mlp.forward(layer.post_attention_layernorm.forward(x), x)

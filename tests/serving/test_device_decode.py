@@ -255,3 +255,37 @@ def test_async_engine_streams_the_overlapped_steps() -> None:
     assert sorted(t.generated_tokens for t in finished) == [7, 7, 7]
     s = aeng.stats()
     assert (s.running, s.waiting) == (0, 0)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_flex_attention_reads_each_rows_own_blocks_and_agrees_with_sdpa() -> None:
+    """The GPU's attention, compiled on the CPU: each row reads ceil((position + 1) / 128)
+    key blocks of its own cache row (a 300-token slot is 3 blocks), and the logits equal
+    the SDPA window's."""
+    from serving.engine.device_decode import KV_BLOCK
+
+    models = [_model(max_len=300), _model(max_len=300)]
+    g = torch.Generator().manual_seed(0)
+    for slot, n in ((0, 9), (1, 140), (3, 2)):
+        ids = torch.randint(0, 512, (1, n), generator=g)
+        for m in models:
+            m(ids, torch.arange(n)[None], torch.tensor([slot]))
+    entries = [DecodeEntry(request_id=f"r{s}", slot=s, position=p, token=7 + s)
+               for s, p in ((0, 9), (1, 140), (3, 2))]  # fmt: skip
+    got = {}
+    for m, attention in zip(models, ("sdpa", "flex"), strict=True):
+        dd = DeviceDecode(m, max_slots=8, max_len=300, generator=torch.Generator(),
+                          staging=Staging(torch.device("cpu")), attention=attention)  # fmt: skip
+        rows, got[attention] = dd.logits(entries)
+    torch.testing.assert_close(got["flex"][[0, 1, 3]], got["sdpa"][[0, 1, 3]])
+    (attend,) = dd._attend.values()
+    assert attend.kv_num.flatten().tolist() == [1, 2, 3, 1]  # positions 9, 140, (hole), 2
+    assert KV_BLOCK == 128
+
+
+@pytest.mark.slow
+def test_engine_with_flex_attention_and_overlap_generates_what_the_cpu_path_does() -> None:
+    want = _run(_engine(max_len=256), _requests({}))
+    got = _run(_engine(max_len=256, device_decode=True, attention="flex"), _requests({}))
+    assert got == want
