@@ -250,6 +250,7 @@ class Engine:
         with self._lock:
             self._temps.pop(request_id, None)
             self._min_tokens.pop(request_id, None)
+            self._stop_ids.pop(request_id, None)
             return self.scheduler.abort(request_id)
 
     def abort_all(self) -> list[str]:
@@ -261,6 +262,7 @@ class Engine:
                 self.scheduler.abort(rid)
             self._temps.clear()
             self._min_tokens.clear()
+            self._stop_ids.clear()
             return ids
 
     def set_max_batch_size(self, max_batch_size: int) -> None:
