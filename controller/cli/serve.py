@@ -60,7 +60,8 @@ def serve(
     served_model_name: str | None = typer.Option(
         None,
         "--served-model-name",
-        help="The model id /v1/models reports and requests name (default: slotune-<model>).",
+        help="The model id /v1/models reports and requests name (default: the checkpoint"
+        " folder's name, else slotune-<model>).",
     ),
     max_len: int = typer.Option(512, help="Context per request (prompt + output tokens)."),
     app_name: str = typer.Option("slotune", help="Serve application name."),

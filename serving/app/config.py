@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from metrics.observation import DEFAULT_SLO, Slo
@@ -92,7 +93,7 @@ class ServerArgs:
     # replica has to itself; docs/serving.md "CPU settings"). None keeps the process
     # environment's OMP_WAIT_POLICY, and PASSIVE when it has none.
     omp_wait_policy: str | None = None
-    served_model_name: str | None = None  # the id /v1/models reports; default slotune-<model>
+    served_model_name: str | None = None  # the id /v1/models reports (see served_name)
     # Streaming pace (serving/engine/async_engine.py): the first token and the end go out at
     # once; in between a request's tokens are handed over at most once per
     # min(stream_interval_s, paced streams / stream_events_per_s) seconds, so a token
@@ -140,7 +141,14 @@ class ServerArgs:
 
     @property
     def served_name(self) -> str:
-        return self.served_model_name or f"slotune-{self.model}"
+        """The id /v1/models reports: ``served_model_name``, else the checkpoint folder's
+        name (not the preset's: the preset is not what a checkpoint serves), else
+        ``slotune-<model>``."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.checkpoint:
+            return Path(self.checkpoint.rstrip("/")).name
+        return f"slotune-{self.model}"
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> ServerArgs:

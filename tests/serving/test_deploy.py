@@ -249,6 +249,11 @@ def test_config_round_trips() -> None:
     named = ServerArgs(model="small", served_model_name="org/my-llama-8b")
     assert ServerArgs.from_args(named.to_args()) == named
     assert named.served_name == "org/my-llama-8b"
+    # a checkpoint serves under its folder's name, not the preset's
+    assert ServerArgs(checkpoint="/models/Llama-3.1-8B-Instruct/").served_name == (
+        "Llama-3.1-8B-Instruct"
+    )
+    assert ServerArgs(checkpoint="/m/x", served_model_name="y").served_name == "y"
 
 
 # -- on the session Ray cluster ---------------------------------------------------------
