@@ -37,10 +37,12 @@ captured graph, and keeps the host from waiting on the GPU more than once a step
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from serving.model.transformer import Transformer
 from serving.scheduler.plan import DecodeEntry
@@ -75,68 +77,54 @@ def _first_at_least(buckets: list[int], n: int) -> int:
 
 
 class Staging:
-    """Lists to the device without a sync: on CUDA each goes through a pinned host buffer
-    and an asynchronous copy (a copy from pageable memory waits for the GPU to drain).
+    """Lists to the device without a sync: on CUDA each goes through a pinned host tensor
+    and an asynchronous copy (a copy from pageable memory waits for the GPU to drain). The
+    pinned tensor is taken from torch's caching host allocator, which records the copy
+    and gives its block out again only once the copy has run, however far ahead of the
+    GPU the host gets (steps that sample nothing are never waited for). On the CPU a list
+    simply becomes a tensor."""
 
-    Two sets of buffers, one per step in turn: :meth:`reset` at the start of a step turns
-    to the set the step before last used. The engine has waited for that step's tokens
-    before it launches the next one (with overlap it waits for step N-1 after launching
-    step N), so its copies are done. On the CPU a list simply becomes a tensor."""
-
-    def __init__(self, device: torch.device, capacity: int = 1 << 14) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._sets: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
-        self._turn = 0
-        self._used: dict[torch.dtype, int] = {}
-        self._retired: list[list[torch.Tensor]] = [[], []]  # outgrown: kept until reuse
-        self._capacity = capacity
-
-    def reset(self) -> None:
-        self._turn ^= 1
-        self._used.clear()
-        self._retired[self._turn].clear()
 
     def put(
         self, values: Sequence[int | float], dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``values`` as a 1-D tensor on the device (copied into ``out`` if given)."""
-        src = torch.tensor(values, dtype=dtype)
+        src = torch.tensor(values, dtype=dtype, pin_memory=self.pinned)
         if not self.pinned:
             return src if out is None else out.copy_(src)
-        bufs = self._sets[self._turn]
-        n, at = len(values), self._used.get(dtype, 0)
-        buf = bufs.get(dtype)
-        if buf is None or at + n > buf.numel():
-            if buf is not None:
-                self._retired[self._turn].append(buf)  # its copies may still be in flight
-            size = max(self._capacity, 2 * (at + n))
-            buf = bufs[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
-            at = 0
-        host = buf[at : at + n]
-        host.copy_(src)
-        self._used[dtype] = at + n
-        dst = out if out is not None else torch.empty(n, dtype=dtype, device=self.device)
-        return dst.copy_(host, non_blocking=True)
+        dst = out if out is not None else torch.empty(len(values), dtype=dtype, device=self.device)
+        return dst.copy_(src, non_blocking=True)
 
 
 KV_BLOCK = 128  # FlexAttention's key block: rows read whole blocks of it
 ATTENTIONS = ("flex", "sdpa")
-_flex_compiled: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def _flex(device_type: str) -> Callable[..., torch.Tensor]:
+def _flex_call(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: BlockMask, scale: float
+) -> torch.Tensor:
+    return flex_attention(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+_flex_compiled: dict[tuple[str, int], Callable[..., torch.Tensor]] = {}
+
+
+def _flex(device_type: str, batch: int) -> Callable[..., torch.Tensor]:
     """FlexAttention compiled (uncompiled it is a reference implementation that
-    materializes every score), once per process and device type. On CUDA batch sizes after
-    the first compile as dynamic (torch.compile's automatic dynamic shapes), so the buckets
-    share a kernel. On the CPU each shape compiles apart: inductor's C++ code for flex with
-    a dynamic batch did not compile (torch 2.13: an undeclared ``cur_qSplitSize8``)."""
-    fn = _flex_compiled.get(device_type)
+    materializes every score) for one batch bucket, with static shapes: inductor picks its
+    decoding kernel (keys split across blocks) only for a static batch, and on the CPU its
+    C++ code for a dynamic batch did not compile (torch 2.13: an undeclared
+    ``cur_qSplitSize8``). torch.compile keeps a function's compiled versions on its code
+    object, at most 8; each bucket gets a copy of the code object of its own."""
+    key = (device_type, batch)
+    fn = _flex_compiled.get(key)
     if fn is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        dynamic = False if device_type == "cpu" else None
-        fn = _flex_compiled[device_type] = torch.compile(flex_attention, dynamic=dynamic)
+        code = _flex_call.__code__.replace(co_name=f"flex_attention_b{batch}")
+        fresh = types.FunctionType(code, _flex_call.__globals__, code.co_name)
+        fn = _flex_compiled[key] = torch.compile(fresh, dynamic=False)
     return fn
 
 
@@ -148,9 +136,8 @@ class FlexAttend:
     replays it. The mask inside the last block hides positions past the row's own."""
 
     def __init__(self, positions: torch.Tensor, max_len: int) -> None:
-        from torch.nn.attention.flex_attention import BlockMask
-
         b, dev = positions.shape[0], positions.device
+        self.max_len = max_len
         blocks = -(-max_len // KV_BLOCK)
         self.kv_num = torch.ones(b, 1, 1, dtype=torch.int32, device=dev)
         order = torch.arange(blocks, dtype=torch.int32, device=dev)
@@ -166,14 +153,14 @@ class FlexAttend:
         )  # fmt: skip
 
     def begin(self, positions: torch.Tensor) -> None:
-        self.kv_num.copy_(((positions + KV_BLOCK) // KV_BLOCK).view(-1, 1, 1))
+        blocks = (positions + KV_BLOCK) // KV_BLOCK
+        dummy = positions == self.max_len - 1  # a hole: its output is dropped, read 1 block
+        self.kv_num.copy_(torch.where(dummy, 1, blocks).view(-1, 1, 1))
 
     def __call__(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        return _flex(q.device.type)(
-            q, keys, values, block_mask=self.block_mask, scale=scale, enable_gqa=True
-        )
+        return _flex(q.device.type, q.shape[0])(q, keys, values, self.block_mask, scale)
 
 
 class DeviceDecode:
@@ -282,12 +269,16 @@ class DeviceDecode:
         position ``max_len - 1``, which no request reads. Returns the graphs captured."""
         if not (self.cuda_graphs and self.attention == "flex"):
             return 0
+        with torch.cuda.device(self.device):
+            self._capture_all()
+        return len(self._graphs)
+
+    def _capture_all(self) -> None:
         for b in self.batches:
             if (b, self.max_len) not in self._graphs:
                 self.tokens[:b].zero_()
                 self.positions[:b].fill_(self.max_len - 1)
                 self._capture(b, self.max_len)
-        return len(self._graphs)
 
     @property
     def graphs_captured(self) -> int:

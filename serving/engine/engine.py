@@ -250,8 +250,10 @@ class Engine:
         with self._lock:
             self._temps.pop(request_id, None)
             self._min_tokens.pop(request_id, None)
+            if not self.scheduler.abort(request_id):
+                return False  # a record still in flight may need its stop ids
             self._stop_ids.pop(request_id, None)
-            return self.scheduler.abort(request_id)
+            return True
 
     def abort_all(self) -> list[str]:
         """Drop every request (after a failed step); returns their ids."""
@@ -337,8 +339,15 @@ class Engine:
         with self._lock:
             finished: list[Finished] = []
             if prev is not None:
-                k_prev = prev[0].step
-                stopped = self.scheduler.resolve(k_prev, tokens, now)
+                # Tokens of requests that ended meanwhile (a stop id the step before, an
+                # abort) are dropped: only the running and those the step's update
+                # finished get theirs.
+                ended = {f.request_id for f in prev[2]}
+                sched = self.scheduler
+                tokens = {
+                    r: t for r, t in tokens.items() if r in ended or sched.slot_of(r) is not None
+                }
+                stopped = sched.resolve(prev[0].step, tokens, now)
                 finished = self._complete(prev[2], tokens, now) + stopped
                 self._generated += len(tokens)
             unknown: dict[str, int | None] = dict.fromkeys(drawn.rows) if drawn else {}

@@ -94,7 +94,18 @@ class TorchExecutor:
         host (None: no request samples). ``pending``: the step launched before, not waited
         for yet: the decode entries whose token is None take it from its draws on the
         device (the device path only)."""
-        self.staging.reset()
+        if self.device.type == "cuda":  # streams, events and graphs of this GPU
+            with torch.cuda.device(self.device):
+                return self._launch(plan, temps, bans, pending)
+        return self._launch(plan, temps, bans, pending)
+
+    def _launch(
+        self,
+        plan: StepPlan,
+        temps: dict[str, float],
+        bans: dict[str, tuple[int, ...]] | None,
+        pending: Drawn | None,
+    ) -> Drawn | None:
         rows: list[str | None] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
@@ -201,7 +212,7 @@ class Drawn:
             d.host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
             d.host.copy_(drawn, non_blocking=True)
             d.event = torch.cuda.Event()
-            d.event.record()
+            d.event.record(torch.cuda.current_stream(drawn.device))
         return d
 
     def row_of(self) -> dict[str, int]:
