@@ -48,6 +48,10 @@ from serving.app.replicas import (
 logger = logging.getLogger(__name__)
 
 IMPORT_PATH = "serving.app.server:app"
+# How long a deploy waits for its replicas to serve. A GPU replica loads a checkpoint
+# onto the GPU and, before it serves, compiles FlexAttention and captures a CUDA graph for
+# every batch bucket (serving/engine/device_decode.py ``warm_up``): minutes, not seconds.
+DEPLOY_TIMEOUT_S = {"cpu": 120.0, "cuda": 900.0}
 DEFAULT_APP_NAME = "slotune"
 # The replica's Ray resources as its deployment declares them (serving/app/server.py). A
 # config's ray_actor_options replaces that whole dict, not key by key (Ray 2.60,
@@ -180,15 +184,17 @@ def deploy_app(
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     num_replicas: int = 1,
     runtime_env: dict[str, Any] | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float | None = None,
 ) -> None:
     """Deploy (or update) the completion server app and wait until it serves.
 
     ``args`` build the replicas (a change rebuilds them); ``live`` is applied in place
     (``live.version`` is replaced by a fresh nonce, which every replica must report
     before this returns). Ray must be initialised; Serve is started on loopback if it is
-    not running.
+    not running. ``timeout_s`` None: :data:`DEPLOY_TIMEOUT_S` for the replica's device.
     """
+    if timeout_s is None:
+        timeout_s = DEPLOY_TIMEOUT_S["cuda" if args.device.startswith("cuda") else "cpu"]
     live = replace(live, version=uuid.uuid4().hex[:12])
     cfg = app_config(
         name=name,

@@ -37,6 +37,7 @@ captured graph, and keeps the host from waiting on the GPU more than once a step
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -49,6 +50,8 @@ from serving.scheduler.plan import DecodeEntry
 
 if TYPE_CHECKING:
     from serving.engine.executor import Drawn
+
+logger = logging.getLogger(__name__)
 
 MIN_WINDOW = 64
 
@@ -269,8 +272,20 @@ class DeviceDecode:
         position ``max_len - 1``, which no request reads. Returns the graphs captured."""
         if not (self.cuda_graphs and self.attention == "flex"):
             return 0
-        with torch.cuda.device(self.device):
-            self._capture_all()
+        try:
+            with torch.cuda.device(self.device):
+                self._capture_all()
+        except Exception:
+            # A replica that cannot compile or capture still serves, on the device path
+            # without graphs and with SDPA over a window, and says so.
+            logger.exception(
+                "capturing decode graphs with FlexAttention failed: serving without CUDA "
+                "graphs, with SDPA attention"
+            )
+            self._graphs.clear()
+            self._attend.clear()
+            self.cuda_graphs, self.attention = False, "sdpa"
+            return 0
         return len(self._graphs)
 
     def _capture_all(self) -> None:

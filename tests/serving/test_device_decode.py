@@ -300,3 +300,22 @@ def test_engine_with_flex_attention_and_overlap_generates_what_the_cpu_path_does
     want = _run(_engine(max_len=256), _requests({}))
     got = _run(_engine(max_len=256, device_decode=True, attention="flex"), _requests({}))
     assert got == want
+
+
+def test_a_failed_capture_falls_back_to_serving_without_graphs(monkeypatch, caplog) -> None:
+    """Where compiling or capturing fails (a GPU, driver or torch this was never run on),
+    the replica still serves, on the device path without graphs, and says why."""
+    dd = DeviceDecode(_model(), max_slots=8, max_len=128, generator=torch.Generator(),
+                      staging=Staging(torch.device("cpu")))  # fmt: skip
+    dd.cuda_graphs, dd.attention = True, "flex"  # as on a GPU
+
+    def fail() -> None:
+        raise RuntimeError("cannot capture here")
+
+    monkeypatch.setattr(dd, "_capture_all", fail)
+    with caplog.at_level("ERROR"):
+        assert dd.warm_up() == 0
+    assert (dd.cuda_graphs, dd.attention) == (False, "sdpa")
+    assert "serving without CUDA graphs" in caplog.text
+    rows, logits = dd.logits([DecodeEntry(request_id="a", slot=1, position=5, token=3)])
+    assert rows == [None, "a"] and torch.isfinite(logits[1]).all()
