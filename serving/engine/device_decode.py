@@ -40,16 +40,12 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from serving.model.transformer import Transformer
 from serving.scheduler.plan import DecodeEntry
-
-if TYPE_CHECKING:
-    from serving.engine.executor import Drawn
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +96,39 @@ class Staging:
             return src if out is None else out.copy_(src)
         dst = out if out is not None else torch.empty(len(values), dtype=dtype, device=self.device)
         return dst.copy_(src, non_blocking=True)
+
+
+class Drawn:
+    """The tokens one step drew: on the device (``drawn``, [R]) and on their way to the
+    host (a pinned copy and an event on CUDA). :meth:`wait` is the step's one wait for
+    the device, for this step only: work launched after it keeps the GPU busy."""
+
+    def __init__(self, rows: list[str], drawn: torch.Tensor) -> None:
+        self.rows, self.drawn = rows, drawn
+        self.host = drawn
+        self.event: torch.cuda.Event | None = None
+        self._row_of: dict[str, int] | None = None
+
+    @classmethod
+    def start(cls, rows: list[str], drawn: torch.Tensor) -> Drawn:
+        d = cls(rows, drawn)
+        if drawn.device.type == "cuda":
+            d.host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+            d.host.copy_(drawn, non_blocking=True)
+            d.event = torch.cuda.Event()
+            d.event.record(torch.cuda.current_stream(drawn.device))
+        return d
+
+    def row_of(self) -> dict[str, int]:
+        if self._row_of is None:
+            self._row_of = {r: i for i, r in enumerate(self.rows)}
+        return self._row_of
+
+    def wait(self) -> dict[str, int]:
+        """request id -> token, once this step's draws reached the host."""
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.rows, self.host.tolist(), strict=True))
 
 
 KV_BLOCK = 128  # FlexAttention's key block: rows read whole blocks of it

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from serving.engine.executor import Drawn, TorchExecutor
+from serving.engine.device_decode import Drawn
+from serving.engine.executor import TorchExecutor
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer, load_tokenizer

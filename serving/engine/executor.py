@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from serving.engine.device_decode import DeviceDecode, Staging
+from serving.engine.device_decode import DeviceDecode, Drawn, Staging
 from serving.model.sampling import sample
 from serving.model.transformer import Transformer
 from serving.scheduler.plan import DecodeEntry, PrefillChunk, StepPlan
@@ -192,39 +192,6 @@ def decode_inputs(
         None,
         None,
     )
-
-
-class Drawn:
-    """The tokens one step drew: on the device (``drawn``, [R]) and on their way to the
-    host (a pinned copy and an event on CUDA). :meth:`wait` is the step's one wait for
-    the device, for this step only: work launched after it keeps the GPU busy."""
-
-    def __init__(self, rows: list[str], drawn: torch.Tensor) -> None:
-        self.rows, self.drawn = rows, drawn
-        self.host = drawn
-        self.event: torch.cuda.Event | None = None
-        self._row_of: dict[str, int] | None = None
-
-    @classmethod
-    def start(cls, rows: list[str], drawn: torch.Tensor) -> Drawn:
-        d = cls(rows, drawn)
-        if drawn.device.type == "cuda":
-            d.host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
-            d.host.copy_(drawn, non_blocking=True)
-            d.event = torch.cuda.Event()
-            d.event.record(torch.cuda.current_stream(drawn.device))
-        return d
-
-    def row_of(self) -> dict[str, int]:
-        if self._row_of is None:
-            self._row_of = {r: i for i, r in enumerate(self.rows)}
-        return self._row_of
-
-    def wait(self) -> dict[str, int]:
-        """request id -> token, once this step's draws reached the host."""
-        if self.event is not None:
-            self.event.synchronize()
-        return dict(zip(self.rows, self.host.tolist(), strict=True))
 
 
 def sample_rows(
