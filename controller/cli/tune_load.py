@@ -3,7 +3,6 @@ and endpoint, ``ignore_eos``; checked before anything starts."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,14 +52,13 @@ def tokenizer(path: Path | None) -> str | None:
 def _served_config(model: str, checkpoint: str | None) -> ModelConfig:
     """The built-in app's model: the preset, or the checkpoint's config.json read as the
     replica reads it (an architecture it cannot load is refused now, not after Ray starts)."""
-    from serving.model.checkpoint import config_from_hf
+    from serving.model.checkpoint import read_config
     from serving.model.config import ModelConfig
 
     if checkpoint is None:
         return ModelConfig.from_name(model)
     try:
-        hf = json.loads((Path(checkpoint) / "config.json").read_text())
-        return config_from_hf(hf, name=Path(checkpoint).name)
+        return read_config(checkpoint)
     except (OSError, ValueError) as e:
         raise BadInput(f"--checkpoint {checkpoint}: config.json: {e}") from None
 

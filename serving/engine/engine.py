@@ -308,17 +308,10 @@ class Engine:
             plan = self.scheduler.schedule(now_s=self.clock())
             sampling = plan.sampling_ids()
             temps = {rid: self._temps.get(rid, 0.0) for rid in sampling}
-            mins = self._min_tokens
-            bans = {rid: mins[rid][1] for rid in sampling if rid in mins} if mins else None
+            bans = self._bans_counted(sampling)
         tokens = self.execute(plan, temps, bans) if not plan.is_empty else {}
         with self._lock:
             finished = self.scheduler.update(plan, tokens, now_s=self.clock())
-            for rid in bans or ():
-                m = self._min_tokens.get(rid)
-                if m is not None and rid in tokens:
-                    m[0] -= 1
-                    if m[0] <= 0:
-                        del self._min_tokens[rid]
             for f in finished:
                 self._temps.pop(f.request_id, None)
                 self._min_tokens.pop(f.request_id, None)
@@ -365,8 +358,9 @@ class Engine:
 
     def _bans_counted(self, sampling: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
         """The ``min_tokens`` bans of a step's sampling requests, counted down as the step
-        is scheduled (with overlap the tokens arrive a step late; a scheduled sampling row
-        makes one token unless its request ends, and then the count no longer matters)."""
+        is scheduled: a scheduled sampling row makes one token unless its request ends
+        (abort, a failed step), and then the count no longer matters; with overlap the
+        tokens themselves arrive a step late."""
         mins = self._min_tokens
         if not mins:
             return None
