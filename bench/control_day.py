@@ -161,8 +161,10 @@ def main() -> None:
     def window(knobs: Knobs, i: int) -> Observation:
         h, _ = ticks[i]
         o = hours[h].run(knobs, seed=args.seed * 100_003 + i, whole=True).observation
-        # windows laid end to end on one clock: tick i is [i * w, (i + 1) * w]
-        w = o.window_s
+        # windows laid end to end on one clock: tick i is [i * w, (i + 1) * w], at the
+        # nominal length (the window's own is end - start, which rounding can leave a
+        # unit in the last place short: the tick after a change then read as begun before it)
+        w = hours[h].sim_config.window_s
         return replace(o, start_s=i * w, end_s=(i + 1) * w)
 
     def seen(o: Observation) -> Observation:
