@@ -37,7 +37,9 @@ What it does, in order:
    undo the ones over: two in a row over 95% ratcheted a simulated day's batch down where
    p99 hardly moved with it). TPOT trouble lowers the batch limit
    (x ``decrease``, at least 1; deeper, by at most ``max_step``, where p99 in proportion to
-   the batch would stay over ``loosen_below``) and the admission limit with it
+   the batch would stay over ``loosen_below``; of the batch that ran when that was short
+   of the limit, and set where a binding limit would run that batch, since it runs only
+   ``FULL_BATCH`` of itself or so) and the admission limit with it
    at the same headroom; TTFT trouble alone lowers the admission limit toward the batch
    limit (shedding at the door) and, once they meet, holds: TTFT is then queueing for the
    batch, and a smaller batch would serve fewer and queue more (more replicas are needed).
@@ -410,6 +412,14 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             floor = min(nb, max(policy.batch_min, math.ceil(run * (1 - policy.max_step))))
             if math.isfinite(tpot_share) and tpot_share > 0:
                 nb = max(floor, min(nb, math.floor(run * policy.loosen_below / tpot_share)))
+            if run < b:
+                # nb is the batch to run, and a limit that binds runs only a share of
+                # itself (arrivals wait a step to join): what ran, where the limit bound,
+                # else FULL_BATCH. The limit that runs nb is nb / that share. A limit of
+                # nb itself cut ~10% deeper than meant (a simulated day's 100.5% window
+                # took 67 running to 55, and the flat curve never let it back)
+                fill = max(FULL_BATCH, o.running / b)
+                nb = min(b - 1, math.floor(nb / fill))
             new = policy.knobs(max(policy.batch_min, nb))
         what = "TPOT" if hot_tpot else "TTFT"
         share = tpot_share if hot_tpot else ttft_share

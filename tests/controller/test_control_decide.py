@@ -153,12 +153,28 @@ def test_a_batch_running_short_of_its_limit_is_cut_from_what_ran() -> None:
     k32 = Knobs(max_batch_size=32, max_concurrency=32)
     # the limit alone: x0.9 of 32 (the overshoot is small)
     assert tick(obs(100, tpot=1.02), State(knobs=k32)).knobs.max_batch_size == 28
-    # 20 ran on average: a cut of the limit to 28 would change nothing; from 20 it bites
+    # 20 ran on average: a cut of the limit to 28 would change nothing; from 20 it bites.
+    # The batch to run is 17 (20 x 0.9 / 1.02); a limit that binds runs ~0.9 of itself, so
+    # the limit that runs 17 is 18 (a limit of 17 would run ~15: a cut 10% deeper than meant)
     d = tick(obs(100, tpot=1.02, running=19.4), State(knobs=k32))
-    assert d.knobs.max_batch_size == 17, d.reason  # 20 x 0.9 / 1.02
+    assert d.knobs.max_batch_size == 18, d.reason
     # a full batch, or no gauge: the limit is what ran
     assert tick(obs(100, tpot=1.02, running=32.0), State(knobs=k32)).knobs.max_batch_size == 28
-    assert tick(obs(100, tpot=1.3, running=30.5), State(knobs=k32)).knobs.max_batch_size == 24
+    # a limit that bound, at 95% of itself: 31 ran, 24 is to run, and the limit that runs
+    # 24 at that share is 25
+    assert tick(obs(100, tpot=1.3, running=30.5), State(knobs=k32)).knobs.max_batch_size == 25
+    # where the batch ran close to the limit, the cut still lowers it
+    assert tick(obs(100, tpot=1.02, running=31.5), State(knobs=k32)).knobs.max_batch_size < 32
+
+
+def test_a_cut_from_what_ran_runs_the_batch_it_aims_at() -> None:
+    # 98 ran under 157 (the KV cache, not the limit, held it) at 100.4% of the SLO: the
+    # batch to run is 87 (98 x 0.9 / 1.004), and the limit that runs 87 at 0.9 of itself
+    # is 96 (a simulated day's cut to 87 ran 78: 20% under what ran, not 10%)
+    k157 = Knobs(max_batch_size=157, max_concurrency=157)
+    wide = replace(POLICY, batch_max=400)
+    d = decide(Signals(observation=obs(100, tpot=1.004, running=97.7)), State(knobs=k157), wide)
+    assert d.action is Action.TIGHTEN and d.knobs.max_batch_size == 96, d.reason
 
 
 def test_waiting_requests_are_demand_queueing_at_the_limit() -> None:
