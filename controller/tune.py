@@ -7,7 +7,9 @@ the load generator's cross-check), appends it to ``trials.jsonl`` and stores it 
 the study, so ``slotune export`` rebuilds the report from the study alone.
 
 Faults end the run cleanly: a transient measurement failure is retried
-``retries`` times, then the run stops; a permanent target failure and Ctrl-C
+``retries`` times, the wait doubling each time (Ray's metrics agent can take seconds to
+answer a scrape under a Serve workload's histograms, and longer after a replica dies:
+ray-project/ray#64891), then the run stops; a permanent target failure and Ctrl-C
 stop it at once. In every case the pending trial is marked failed, the
 best-so-far report is exported, and the deployment is left on the last
 known-good knobs: the best feasible point measured, else the knobs it had
@@ -60,8 +62,8 @@ class TuneLimits:
 
     max_trials: int = 20
     time_budget_s: float = 300.0
-    retries: int = 2  # transient measurement failures per trial before the run stops
-    retry_wait_s: float = 2.0
+    retries: int = 3  # transient measurement failures per trial before the run stops
+    retry_wait_s: float = 2.0  # before the first retry; it doubles for each one after
     remeasures: int = 2  # windows across a fault discarded per trial before the run stops
     # A slow deployment's windows last as long as their request budget needs: the time
     # budget grows to at least `budget_windows` windows of `budget_requests` requests at
@@ -434,7 +436,7 @@ def _measure_with_retries(
                 f"[yellow]{e}[/]: retrying the window ({attempt + 1}/{limits.retries})"
             )
             log.warning("transient measurement failure (%s); retry %d", e, attempt + 1)
-            sleep(limits.retry_wait_s)
+            sleep(limits.retry_wait_s * 2**attempt)
     raise AssertionError("unreachable")
 
 

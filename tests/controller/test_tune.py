@@ -123,7 +123,7 @@ def run(tmp_path: Path, target: FakeTarget, **kw) -> object:
         base=base(),
         limits=limits,
         out_dir=tmp_path / "out",
-        sleep=lambda s: None,
+        sleep=kw.pop("sleep", lambda s: None),
         **kw,
     )
 
@@ -185,12 +185,15 @@ def test_no_feasible_point_restores_the_original_knobs(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "curve.json").read_text())["operating_point"] is None
 
 
-def test_transient_failures_are_retried(tmp_path: Path) -> None:
+def test_transient_failures_are_retried_with_a_doubling_wait(tmp_path: Path) -> None:
     target = FakeTarget()
-    target.fail = {1: TargetUnavailable("scrape refused"), 2: TargetUnavailable("scrape refused")}
-    out = run(tmp_path, target, limits=TuneLimits(max_trials=3, time_budget_s=1e6, retries=2))
+    target.fail = {i: TargetUnavailable("scrape timed out") for i in (1, 2, 3)}
+    waits: list[float] = []
+    limits = TuneLimits(max_trials=3, time_budget_s=1e6, retries=3, retry_wait_s=2.0)
+    out = run(tmp_path, target, limits=limits, sleep=waits.append)
     assert not out.aborted and len(out.report.trials) == 3
-    assert target.measured[1] == target.measured[2] == target.measured[3]  # same knobs retried
+    assert target.measured[1] == target.measured[2] == target.measured[3] == target.measured[4]
+    assert [w for w in waits if w >= 2.0] == [2.0, 4.0, 8.0]
 
 
 def test_metrics_down_mid_run_stops_with_best_so_far(tmp_path: Path) -> None:
