@@ -114,8 +114,11 @@ def test_scrape_and_promql_agree(scenario: dict[str, object]) -> None:
 
 
 def test_promql_window_without_data_is_stale(scenario: dict[str, object]) -> None:
-    t_zero = float(scenario["t_zero"])  # type: ignore[arg-type]
-    obs = _promql(scenario).observe_range(window_s=30, end_s=t_zero - 600)
+    prom = scenario["prom"]
+    assert isinstance(prom, PrometheusServer)
+    # before the server's first sample: the session's Prometheus is shared, and a window
+    # some minutes before this module's data may hold an earlier test's app named LLM
+    obs = _promql(scenario).observe_range(window_s=30, end_s=prom.started_s - 60)
     assert obs.stale and "no series" in obs.note and obs.completed == 0
     assert obs.ttft_verdict is not None and obs.ttft_verdict.verdict is Verdict.INSUFFICIENT
 
