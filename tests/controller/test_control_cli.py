@@ -54,18 +54,18 @@ def test_a_dry_run_reads_prometheus_and_recommends_without_acting(
 
     t = threading.Thread(target=traffic, daemon=True)
     try:
-        prometheus_server.add_target("control-cli", f"127.0.0.1:{server.server_port}")
-        t.start()
-        state = tmp_path / "state.json"
-        save_state(State(knobs=K16), state)
-        code = _run(
-            [
-                "control", "--app", "llm", "--actuator", "none", "--dry-run",
-                "--prometheus-url", prometheus_server.url, "--metrics-prefix", "ray_",
-                "--metrics-profile", "slotune", "--max-batch", "32", "--state", str(state),
-                "--interval", "5", "--max-ticks", "3", "--min-requests", "50", "--quiet",
-            ]
-        )  # fmt: skip
+        with prometheus_server.scraping("control-cli", f"127.0.0.1:{server.server_port}"):
+            t.start()
+            state = tmp_path / "state.json"
+            save_state(State(knobs=K16), state)
+            code = _run(
+                [
+                    "control", "--app", "llm", "--actuator", "none", "--dry-run",
+                    "--prometheus-url", prometheus_server.url, "--metrics-prefix", "ray_",
+                    "--metrics-profile", "slotune", "--max-batch", "32", "--state", str(state),
+                    "--interval", "5", "--max-ticks", "3", "--min-requests", "50", "--quiet",
+                ]
+            )  # fmt: skip
     finally:
         stop.set()
         t.join(timeout=10)

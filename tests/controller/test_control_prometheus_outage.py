@@ -83,20 +83,20 @@ def test_prometheus_down_for_a_minute_holds_then_recovers(
     t_ctl = threading.Thread(target=control, daemon=True)
     caplog.set_level(logging.WARNING, logger="controller.control.loop")
     try:
-        prom.add_target("outage", f"127.0.0.1:{server.server_port}")
-        t_load.start()
-        t_ctl.start()
-        deadline = time.monotonic() + 120
-        while ticks() < TICKS_BEFORE and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert ticks() >= TICKS_BEFORE, "the controller did not tick"
-        prom.stop()
-        down_s = time.time()
-        time.sleep(OUTAGE_S)
-        prom.launch()
-        up_s = time.time()
-        t_ctl.join(timeout=TICKS * INTERVAL_S + 120)
-        assert not t_ctl.is_alive(), "the controller did not stop after --max-ticks"
+        with prom.scraping("outage", f"127.0.0.1:{server.server_port}"):
+            t_load.start()
+            t_ctl.start()
+            deadline = time.monotonic() + 120
+            while ticks() < TICKS_BEFORE and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert ticks() >= TICKS_BEFORE, "the controller did not tick"
+            prom.stop()
+            down_s = time.time()
+            time.sleep(OUTAGE_S)
+            prom.launch()
+            up_s = time.time()
+            t_ctl.join(timeout=TICKS * INTERVAL_S + 120)
+            assert not t_ctl.is_alive(), "the controller did not stop after --max-ticks"
     finally:
         stop.set()
         t_load.join(timeout=10)

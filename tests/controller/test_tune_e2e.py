@@ -167,17 +167,17 @@ def test_tune_through_a_real_prometheus(
 ) -> None:
     """--prometheus-url: Prometheus (1 s scrapes) reads Ray's export port; two short trials
     are judged from PromQL on fresh data only, and agree with the load generator."""
-    prometheus_server.add_target("tune-e2e-ray", f"127.0.0.1:{tiny_app.metrics_port}")
-    out = tmp_path / "out"
-    argv = [
-        "tune", "--app", APP, "--prometheus-url", prometheus_server.url, "--model", "tiny",
-        *SLO_ARGS, "--max-trials", "2", "--time-budget", "90", "--warmup", "1",
-        "--window", "6", "--max-window", "20", "--min-requests", "300",
-        "--prompt-tokens", "16", "--output-tokens", "4", "--max-slots", "32",
-        "--out", str(out), "--quiet",
-    ]  # fmt: skip
-    code, _, err = _cli(argv, capsys)
-    assert code in (0, 3), f"exit {code}: {err[-2000:]}"  # a verdict either way
+    with prometheus_server.scraping("tune-e2e-ray", f"127.0.0.1:{tiny_app.metrics_port}"):
+        out = tmp_path / "out"
+        argv = [
+            "tune", "--app", APP, "--prometheus-url", prometheus_server.url, "--model", "tiny",
+            *SLO_ARGS, "--max-trials", "2", "--time-budget", "90", "--warmup", "1",
+            "--window", "6", "--max-window", "20", "--min-requests", "300",
+            "--prompt-tokens", "16", "--output-tokens", "4", "--max-slots", "32",
+            "--out", str(out), "--quiet",
+        ]  # fmt: skip
+        code, _, err = _cli(argv, capsys)
+        assert code in (0, 3), f"exit {code}: {err[-2000:]}"  # a verdict either way
     d = json.loads((out / "curve.json").read_text())
     assert d["meta"]["metrics"] == f"Prometheus {prometheus_server.url} (slotune profile)"
     trials = d["trials"]

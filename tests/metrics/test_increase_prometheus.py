@@ -20,17 +20,17 @@ def test_counter_increase_matches_prometheus(prometheus_server: PrometheusServer
 
     ep = TextEndpoint(body(*SEQUENCE[0]))
     try:
-        prometheus_server.add_target("resets", ep.address)
-        t_first = prometheus_server.last_scrape_s("resets")
-        for a, b in SEQUENCE[1:]:
-            ep.body = body(a, b)
-            prometheus_server.wait_scrapes("resets", 1)
-        t_end = prometheus_server.last_scrape_s("resets")
-        window_ms = round((t_end - t_first + 0.5) * 1000)
-        res = prometheus_server.query(
-            f'increase(resets_total{{job="resets"}}[{window_ms}ms])', at=t_end
-        )
-        got = {r["metric"]["s"]: float(r["value"][1]) for r in res}  # type: ignore[index]
+        with prometheus_server.scraping("resets", ep.address):
+            t_first = prometheus_server.last_scrape_s("resets")
+            for a, b in SEQUENCE[1:]:
+                ep.body = body(a, b)
+                prometheus_server.wait_scrapes("resets", 1)
+            t_end = prometheus_server.last_scrape_s("resets")
+            window_ms = round((t_end - t_first + 0.5) * 1000)
+            res = prometheus_server.query(
+                f'increase(resets_total{{job="resets"}}[{window_ms}ms])', at=t_end
+            )
+            got = {r["metric"]["s"]: float(r["value"][1]) for r in res}  # type: ignore[index]
     finally:
         ep.close()
     # Each value was scraped at least once (possibly more: repeats add 0 either way).

@@ -84,37 +84,37 @@ def test_histogram_quantile_matches_prometheus(prometheus_server: PrometheusServ
     cases = gen_cases(random.Random(20261202), 400)
     endpoint = TextEndpoint(exposition(cases))
     try:
-        prometheus_server.add_target("quantile_cases", endpoint.address)
-        n_series = sum(len(c) for c in cases)
-        prometheus_server.wait_for(
-            f'count(hq_bucket{{job="quantile_cases"}}) == {n_series}', timeout_s=20
-        )
-        at = prometheus_server.last_scrape_s("quantile_cases")
-        mismatches = []
-        compared = 0
-        for q in (*QS, math.nan):
-            res = prometheus_server.query(
-                f'histogram_quantile({q!r}, hq_bucket{{job="quantile_cases"}})'.replace(
-                    "nan", "NaN"
-                ),
-                at=at,
+        with prometheus_server.scraping("quantile_cases", endpoint.address):
+            n_series = sum(len(c) for c in cases)
+            prometheus_server.wait_for(
+                f'count(hq_bucket{{job="quantile_cases"}}) == {n_series}', timeout_s=20
             )
-            got = {int(r["metric"]["case"]): float(r["value"][1]) for r in res}
-            assert set(got) == set(range(len(cases)))
-            for i, case in enumerate(cases):
-                ours = bucket_quantile(q, [(b, c) for _, b, c in case])
-                compared += 1
-                if not same(ours, got[i]):
-                    mismatches.append((q, i, case, ours, got[i]))
-        assert compared == len(cases) * (len(QS) + 1)
-        # The inputs exercise interpolation, not only the NaN paths.
-        finite = sum(
-            1
-            for q in (0.5, 0.9)
-            for c in cases
-            if math.isfinite(bucket_quantile(q, [(b, n) for _, b, n in c]))
-        )
-        assert finite > len(cases)
-        assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[:3]}"
+            at = prometheus_server.last_scrape_s("quantile_cases")
+            mismatches = []
+            compared = 0
+            for q in (*QS, math.nan):
+                res = prometheus_server.query(
+                    f'histogram_quantile({q!r}, hq_bucket{{job="quantile_cases"}})'.replace(
+                        "nan", "NaN"
+                    ),
+                    at=at,
+                )
+                got = {int(r["metric"]["case"]): float(r["value"][1]) for r in res}
+                assert set(got) == set(range(len(cases)))
+                for i, case in enumerate(cases):
+                    ours = bucket_quantile(q, [(b, c) for _, b, c in case])
+                    compared += 1
+                    if not same(ours, got[i]):
+                        mismatches.append((q, i, case, ours, got[i]))
+            assert compared == len(cases) * (len(QS) + 1)
+            # The inputs exercise interpolation, not only the NaN paths.
+            finite = sum(
+                1
+                for q in (0.5, 0.9)
+                for c in cases
+                if math.isfinite(bucket_quantile(q, [(b, n) for _, b, n in c]))
+            )
+            assert finite > len(cases)
+            assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[:3]}"
     finally:
         endpoint.close()

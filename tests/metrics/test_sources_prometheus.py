@@ -37,28 +37,28 @@ def scenario(prometheus_server: PrometheusServer) -> Iterator[dict[str, object]]
     address = f"127.0.0.1:{server.server_port}"
     try:
         scrape = ScrapeSource(f"http://{address}/metrics", slo=SLO, prefix="ray_", selector=SEL)
-        prometheus_server.add_target("agree", address)  # first scrape: every series at 0
-        t_zero = prometheus_server.last_scrape_s("agree")
-        s0 = scrape.snapshot()
-        rng = np.random.default_rng(3)
-        ttft, tpot = latencies(rng, 1500)
-        for i, (a, b) in enumerate(zip(ttft, tpot, strict=True)):
-            em.record(float(a), float(b), 7, **(R1 if i % 3 else R2))
-        for _ in range(400):
-            em.record(5.0, 1.0, 7, **OTHER)  # another deployment: must not leak in
-        for _ in range(9):
-            em.reject(**R2)
-        s1 = scrape.snapshot()
-        prometheus_server.wait_scrapes("agree", 2)
-        t_end = prometheus_server.last_scrape_s("agree")
-        yield {
-            "scrape": scrape.observe(s0, s1),
-            "ttft": ttft,
-            "tpot": tpot,
-            "t_zero": t_zero,
-            "t_end": t_end,
-            "prom": prometheus_server,
-        }
+        with prometheus_server.scraping("agree", address):  # first scrape: every series at 0
+            t_zero = prometheus_server.last_scrape_s("agree")
+            s0 = scrape.snapshot()
+            rng = np.random.default_rng(3)
+            ttft, tpot = latencies(rng, 1500)
+            for i, (a, b) in enumerate(zip(ttft, tpot, strict=True)):
+                em.record(float(a), float(b), 7, **(R1 if i % 3 else R2))
+            for _ in range(400):
+                em.record(5.0, 1.0, 7, **OTHER)  # another deployment: must not leak in
+            for _ in range(9):
+                em.reject(**R2)
+            s1 = scrape.snapshot()
+            prometheus_server.wait_scrapes("agree", 2)
+            t_end = prometheus_server.last_scrape_s("agree")
+            yield {
+                "scrape": scrape.observe(s0, s1),
+                "ttft": ttft,
+                "tpot": tpot,
+                "t_zero": t_zero,
+                "t_end": t_end,
+                "prom": prometheus_server,
+            }
     finally:
         server.shutdown()
         server.server_close()
