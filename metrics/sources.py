@@ -91,6 +91,11 @@ class ScrapeSource:
     prometheus_client exporter; ``profile`` names the families (slotune's by default).
     Recent snapshots are kept (``snapshots``) so :meth:`observe_recent` can answer for
     "the last ``window_s`` seconds".
+
+    ``timeout_s`` defaults to Prometheus' own scrape timeout, 10 s (``DefaultGlobalConfig``
+    in prometheus/config/config.go): Ray's export port renders every series of every
+    replica the node has run (MBs after a few dozen replicas; 6 MB, 0.5-1 s idle, measured
+    after the Ray tests here), and under load it answers in seconds (ray-project/ray#64891).
     """
 
     def __init__(
@@ -101,7 +106,7 @@ class ScrapeSource:
         profile: MetricsProfile = SLOTUNE,
         prefix: str = "",
         selector: Mapping[str, str] | None = None,
-        timeout_s: float = 5.0,
+        timeout_s: float = 10.0,
         confidence: float = 0.95,
         max_staleness_s: float = 30.0,
         keep: int = 64,
