@@ -90,7 +90,11 @@ class Observation:
     end_s: float
     completed: int  # requests finished in the window
     slo_met: int  # of those, requests that met BOTH SLOs
-    rejected: int = 0
+    rejected: int = 0  # requests refused before admission, for any reason
+    # Of ``rejected``, those refused for want of room (HTTP 429: the admission limit and
+    # the queue were full): demand beyond the limits. The rest were bad requests (400,
+    # 413), which more room would not serve.
+    overloaded: int = 0
     generated_tokens: int = 0
     ttft: Percentiles = field(default_factory=Percentiles)
     tpot: Percentiles = field(default_factory=Percentiles)

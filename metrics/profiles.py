@@ -47,6 +47,11 @@ class MetricsProfile:
     not_completed: tuple[str, ...] = ()
     generated_tokens: tuple[str, ...] = ()
     rejected: tuple[str, ...] = ()
+    # The label that gives a refusal's reason, and the values of it that mean "no room"
+    # (HTTP 429): the refusals that are demand beyond the limits. With no such label every
+    # refusal counts as "no room".
+    rejected_by: str = ""
+    no_room: tuple[str, ...] = ()
     # Gauges: an Observation carries the mean of the first two over its window.
     running: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
@@ -65,6 +70,10 @@ class MetricsProfile:
             raise ValueError(f"per_token={sorted(self.per_token)!r}: must be among tpot")
         if self.slo_met_label not in ("", self.completed_by):
             raise ValueError(f"slo_met_label={self.slo_met_label!r}: must be completed_by or ''")
+        if bool(self.rejected_by) != bool(self.no_room):
+            raise ValueError(
+                f"rejected_by={self.rejected_by!r}, no_room={self.no_room!r}: give both or neither"
+            )
 
     @property
     def server_side(self) -> bool:
@@ -90,6 +99,14 @@ class MetricsProfile:
             return met, sum(v for k, v in by_label.items() if k != "true")
         return None, sum(v for k, v in by_label.items() if k not in self.not_completed)
 
+    def split_rejected(self, by_reason: Mapping[str, float]) -> tuple[float, float]:
+        """``(rejected, overloaded)`` from the refusal counter's window increases keyed by
+        the ``rejected_by`` label's value (one key, "", when the profile has no such label)."""
+        total = sum(by_reason.values())
+        if not self.rejected_by:
+            return total, total
+        return total, sum(v for k, v in by_reason.items() if k in self.no_room)
+
     def tpot_remark(self, family: str | None) -> str:
         """A note when TPOT is read from a per-token family (empty otherwise)."""
         if family is None or family not in self.per_token:
@@ -106,6 +123,8 @@ SLOTUNE = MetricsProfile(
     slo_met_label=names.LABEL_SLO_MET,
     generated_tokens=(names.GENERATED_TOKENS_TOTAL,),
     rejected=(names.REJECTED_TOTAL,),
+    rejected_by=names.LABEL_REASON,
+    no_room=(names.REASON_OVERLOADED,),
     running=(names.RUNNING_REQUESTS,),
     waiting=(names.WAITING_REQUESTS,),
     kv_usage=(names.KV_CACHE_USAGE_RATIO,),

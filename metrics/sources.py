@@ -167,7 +167,9 @@ class ScrapeSource:
             start, end, samples(prof.completed, prefix=p), sel, by=prof.completed_by or None
         )
         tok = counter_window(start, end, samples(prof.generated_tokens, prefix=p), sel)
-        rej = counter_window(start, end, samples(prof.rejected, prefix=p), sel)
+        rej = counter_window(
+            start, end, samples(prof.rejected, prefix=p), sel, by=prof.rejected_by or None
+        )
         (_, ttft), (tpot_family, tpot) = (
             self._histogram(start, end, fams) for fams in (prof.ttft, prof.tpot)
         )
@@ -190,6 +192,7 @@ class ScrapeSource:
         if staleness > self.max_staleness_s:
             notes.append(f"newest scrape is {staleness:.1f}s old (> {self.max_staleness_s}s)")
         met, missed = _split_completed(req or {}, prof, notes)
+        rejected, overloaded = prof.split_rejected(rej or {})
         running, waiting = (
             gauge_mean(start, end, [names.read_as(f, prefix=p) for f in fams], sel, across)
             for fams, across in ((prof.running, "avg"), (prof.waiting, "sum"))
@@ -204,7 +207,8 @@ class ScrapeSource:
             end_s=end.time_s,
             met=met,
             missed=missed,
-            rejected=_count("rejected", sum((rej or {}).values()), notes),
+            rejected=_count("rejected", rejected, notes),
+            overloaded=_count("overloaded", overloaded, notes),
             generated_tokens=_count("generated_tokens", sum((tok or {}).values()), notes),
             ttft_buckets=ttft,
             tpot_buckets=tpot,
@@ -366,7 +370,9 @@ class PromQLSource:
             )
         }
         tokens = self._increase(prof.generated_tokens, w, end)
-        rejected = self._increase(prof.rejected, w, end)
+        rejected, overloaded = prof.split_rejected(
+            self._increase_by(prof.rejected, prof.rejected_by, w, end)
+        )
         running = self._gauge_mean("avg", prof.running, w, end)
         waiting = self._gauge_mean("sum", prof.waiting, w, end)
         hist: dict[str, dict[float, float]] = {}
@@ -399,6 +405,7 @@ class PromQLSource:
         met, missed = _split_completed(by_label, prof, notes)
         counts = {
             "rejected": _count("rejected", rejected, notes),
+            "overloaded": _count("overloaded", overloaded, notes),
             "tokens": _count("generated_tokens", tokens, notes),
         }
         stale = bool(notes)
@@ -412,6 +419,7 @@ class PromQLSource:
             met=met,
             missed=missed,
             rejected=counts["rejected"],
+            overloaded=counts["overloaded"],
             generated_tokens=counts["tokens"],
             ttft_buckets=hist["ttft"],
             tpot_buckets=hist["tpot"],
@@ -429,10 +437,18 @@ class PromQLSource:
 
     def _increase(self, families: tuple[str, ...], w: str, end: float) -> float:
         """``sum(increase(...))`` of a counter over the window; 0 when it has no series."""
+        return sum(self._increase_by(families, "", w, end).values())
+
+    def _increase_by(
+        self, families: tuple[str, ...], by: str, w: str, end: float
+    ) -> dict[str, float]:
+        """``sum by (by) (increase(...))`` of a counter over the window, keyed by the label's
+        value ("" for every series when ``by`` is empty); empty when it has no series."""
         if not families:
-            return 0.0
-        got = self.query(f"sum(increase({self._counter_sel(families)}{w}))", at=end)
-        return got[0][1] if got else 0.0
+            return {}
+        sel = self._counter_sel(families)
+        expr = f"sum by ({by}) (increase({sel}{w}))" if by else f"sum(increase({sel}{w}))"
+        return {lab.get(by, "") if by else "": v for lab, v in self.query(expr, at=end)}
 
     def _gauge_mean(self, across: str, families: tuple[str, ...], w: str, end: float) -> float:
         """A gauge's mean over the window, per series, then ``avg`` or ``sum`` across the

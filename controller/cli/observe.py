@@ -60,7 +60,7 @@ def _table(obs: Observation) -> str:
         f"window      {obs.window_s:.2f} s   staleness {obs.staleness_s:.2f} s"
         f"{'   STALE: ' + obs.note if obs.stale else ''}",
         f"requests    {obs.completed} completed, {obs.slo_met} met both SLOs, "
-        f"{obs.rejected} rejected",
+        f"{obs.rejected} rejected ({obs.overloaded} for want of room)",
         f"goodput     {obs.goodput_rps:.3f} req/s   throughput {obs.throughput_rps:.3f} req/s   "
         f"{obs.tokens_per_s:.1f} tokens/s",
     ]

@@ -45,12 +45,12 @@ What it does, in order:
    batch, and a smaller batch would serve fewer and queue more (more replicas are needed).
 4. **Loosen slowly**: only once every conclusive window of the last ``stabilization_s`` met
    both SLOs under ``loosen_below`` of them with demand queueing at the limit (requests
-   rejected or waiting: arrivals beyond what the limit admits, not completions, which the
-   limit itself caps); then by ``increase`` or ``increase_share`` of the batch each tick the
-   calm lasts, to no batch whose p99 TPOT the curve predicts over ``loosen_below`` of the SLO
-   (so a loosening stops short of the tightening threshold: no limit cycle). (HPA keeps the
-   highest recommendation of the last 300 s before scaling down; AIMD adds 1 and multiplies
-   by 0.9.)
+   refused for want of room, or waiting: arrivals beyond what the limit admits, not
+   completions, which the limit itself caps); then by ``increase`` or ``increase_share`` of
+   the batch each tick the calm lasts, to no batch whose p99 TPOT the curve predicts over
+   ``loosen_below`` of the SLO (so a loosening stops short of the tightening threshold: no
+   limit cycle). (HPA keeps the highest recommendation of the last 300 s before scaling
+   down; AIMD adds 1 and multiplies by 0.9.)
 5. Otherwise **hold** (within the tolerance band between ``loosen_below`` and
    ``tighten_at``, or met without queueing: more room would not be used).
 """
@@ -528,9 +528,10 @@ FULL_BATCH = 0.9
 
 
 def _queued(o: Observation, limit: int) -> bool:
-    """Demand beyond the limit: requests refused, or waiting while the batch runs full
-    (waiting alone counts where the source has no running gauge)."""
-    if o.rejected > 0:
+    """Demand beyond the limit: requests refused for want of room (not bad requests, which
+    more room would not serve), or waiting while the batch runs full (waiting alone counts
+    where the source has no running gauge)."""
+    if o.overloaded > 0:
         return True
     if not (math.isfinite(o.waiting) and o.waiting > 0):
         return False

@@ -160,6 +160,7 @@ def _summary(o: Observation) -> dict[str, Any]:
         "completed": o.completed,
         "slo_met": o.slo_met if o.slo_met_known else None,
         "rejected": o.rejected,
+        "overloaded": o.overloaded,
         "generated_tokens": o.generated_tokens,
         "running": _num(o.running),
         "waiting": _num(o.waiting),

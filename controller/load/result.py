@@ -134,6 +134,7 @@ def client_observation(result: LoadResult, slo: Slo, *, confidence: float = 0.95
         completed=len(ok),
         slo_met=int(met),
         rejected=result.rejected,
+        overloaded=result.rejected,  # REJECT_STATUSES: the server had no room
         generated_tokens=sum(r.output_tokens for r in ok),
         ttft=pct(ttft),
         tpot=pct(tpot),

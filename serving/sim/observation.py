@@ -117,6 +117,7 @@ def observation_from_timings(
         completed=len(timings),
         slo_met=met,
         rejected=rejected,
+        overloaded=rejected,  # the simulated server refuses only for want of room
         generated_tokens=int(generated.sum()),  # whole numbers: the float sum is exact
         ttft=_percentiles(ttft),
         tpot=_percentiles(tpot),

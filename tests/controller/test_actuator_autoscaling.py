@@ -322,7 +322,7 @@ def test_a_raised_limit_scales_the_fleet_as_predicted_and_decide_holds_it(ray_cl
             # refused at the door: the loosening (8 -> 10, the target 4 -> 5) would let the 5
             # settle on 1 replica, so the tick holds.
             calm = Observation(
-                start_s=0.0, end_s=400.0, completed=500, slo_met=500, rejected=5,
+                start_s=0.0, end_s=400.0, completed=500, slo_met=500, rejected=5, overloaded=5,
                 running=in_flight / 2, waiting=0.0, ttft_verdict=met(0.1), tpot_verdict=met(0.1),
             )  # fmt: skip
             policy = Policy(

@@ -39,7 +39,8 @@ def obs(
     vp: Verdict | None = None,
     n: int = 500,
     missed: int = 0,
-    rejected: int = 0,
+    overloaded: int = 0,
+    bad: int = 0,
     window: float = 60.0,
     stale: bool = False,
     running: float = math.nan,
@@ -55,7 +56,8 @@ def obs(
         end_s=end,
         completed=n,
         slo_met=n - missed,
-        rejected=rejected,
+        rejected=overloaded + bad,
+        overloaded=overloaded,
         ttft_verdict=_v(vt or verdict(ttft), ttft, SLO.ttft_p99_s, n),
         tpot_verdict=_v(vp or verdict(tpot), tpot, SLO.tpot_p99_s, n),
         stale=stale,
@@ -125,7 +127,7 @@ CASES = [
     ),
     (
         "calm and queueing, but not yet for the stabilization window: hold",
-        dict(o=obs(100, rejected=50)),
+        dict(o=obs(100, overloaded=50)),
         Outcome.MET,
         Action.HOLD,
         K16,
@@ -303,7 +305,7 @@ def test_loosens_only_after_a_stabilization_window_of_calm_queueing() -> None:
     st = State(knobs=K16)
     actions = []
     for end in range(60, 60 * 7, 60):  # windows of 60 s, calm, demand rejected at the limit
-        d = tick(obs(end, tpot=0.5, rejected=20), st)
+        d = tick(obs(end, tpot=0.5, overloaded=20), st)
         actions.append(d.action)
         st = d.state
     # calm since t=0: held until 300 s of it, then +1 each tick the calm lasts
@@ -311,22 +313,34 @@ def test_loosens_only_after_a_stabilization_window_of_calm_queueing() -> None:
     assert st.knobs == Knobs(max_batch_size=18, max_concurrency=18)
 
 
+def test_bad_requests_refused_are_not_demand() -> None:
+    """Requests refused as malformed or too large (400, 413) say nothing about room: calm
+    windows with only those never loosen, however long the calm."""
+    st = State(knobs=K16)
+    for end in range(60, 60 * 9, 60):
+        d = tick(obs(end, tpot=0.5, bad=40), st)
+        assert d.action is Action.HOLD, (end, d.reason)
+        st = d.state
+    assert st.knobs == K16
+
+
 @pytest.mark.parametrize(
     "interrupt",
     [
         obs(180, n=10),  # inconclusive
-        obs(180, tpot=0.92, rejected=20),  # in the band
+        obs(180, tpot=0.92, overloaded=20),  # in the band
         obs(180, tpot=0.5),  # calm but nothing queued: more room would not be used
+        obs(180, tpot=0.5, bad=50),  # refused as bad requests (400, 413): more room won't serve
     ],
 )
 def test_anything_but_calm_queueing_restarts_the_stabilization_window(interrupt) -> None:
     st = State(knobs=K16)
     for end in (60, 120):
-        st = tick(obs(end, rejected=20), st).state
+        st = tick(obs(end, overloaded=20), st).state
     st = tick(interrupt, st).state
     got = []
     for end in range(240, 600, 60):
-        d = tick(obs(end, rejected=20), st)
+        d = tick(obs(end, overloaded=20), st)
         got.append(d.action)
         st = d.state
     # calm again from 180 s (the window 180-240): 300 s later, at the window ending 480
@@ -336,15 +350,15 @@ def test_anything_but_calm_queueing_restarts_the_stabilization_window(interrupt)
 def test_loosening_waits_for_the_curve_to_predict_room() -> None:
     # the canary measured p99 TPOT 50 ms at B=16 and 95 ms at B=17 (a knee): no loosening
     p = replace(POLICY, curve=((16, 0.05), (17, 0.095)), stabilization_s=0.0)
-    d = decide(Signals(observation=obs(60, tpot=0.5, rejected=5)), State(knobs=K16), p)
+    d = decide(Signals(observation=obs(60, tpot=0.5, overloaded=5)), State(knobs=K16), p)
     assert d.action is Action.HOLD and "predicts" in d.reason
     # a flat curve: loosen, with the prediction recorded
     p = replace(p, curve=((16, 0.05), (32, 0.06)))
-    d = decide(Signals(observation=obs(60, tpot=0.5, rejected=5)), State(knobs=K16), p)
+    d = decide(Signals(observation=obs(60, tpot=0.5, overloaded=5)), State(knobs=K16), p)
     assert d.action is Action.LOOSEN and d.predicted_tpot_s == pytest.approx(0.0502, abs=1e-3)
     # no curve: p99 TPOT taken to grow with the batch (50 ms x 17/16)
     p = replace(POLICY, stabilization_s=0.0)
-    d = decide(Signals(observation=obs(60, tpot=0.5, rejected=5)), State(knobs=K16), p)
+    d = decide(Signals(observation=obs(60, tpot=0.5, overloaded=5)), State(knobs=K16), p)
     assert d.predicted_tpot_s == pytest.approx(0.05 * 17 / 16)
 
 
@@ -361,7 +375,7 @@ def test_burning_the_error_budget_rolls_back_and_latches_until_acked() -> None:
     st = d.state
     # degraded: calm queueing for long does not loosen
     for end in range(180, 1200, 60):
-        d = tick(obs(end, rejected=20), st)
+        d = tick(obs(end, overloaded=20), st)
         assert d.action is Action.HOLD and "degraded" in d.reason
         st = d.state
     # but trouble still tightens
@@ -433,7 +447,7 @@ def test_a_derived_setting_changed_alone_pauses_with_the_knobs_unchanged() -> No
     why = "llm/Server: Serve's max_ongoing_requests is 50 where ... make it 96"
     st = State(knobs=K16)
     for end in (60, 120):  # a violation or a calm queue alike: no action while it stands
-        d = tick(obs(end, tpot=1.5, rejected=9), st, drift=why)
+        d = tick(obs(end, tpot=1.5, overloaded=9), st, drift=why)
         assert (d.outcome, d.action, d.knobs) == (Outcome.INCONCLUSIVE, Action.PAUSE, K16)
         assert d.reason.startswith(why + ": changed by someone else; paused")
         assert d.state.calm_since is None

@@ -31,7 +31,7 @@ K16 = Knobs(max_batch_size=16, max_concurrency=16)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def window(start: float, end: float, *, tpot: float = 0.5, rejected: int = 0) -> Observation:
+def window(start: float, end: float, *, tpot: float = 0.5, overloaded: int = 0) -> Observation:
     def v(share: float, bound: float) -> SloVerdict:
         return SloVerdict(
             verdict=Verdict.MET if share <= 1 else Verdict.VIOLATED,
@@ -46,7 +46,8 @@ def window(start: float, end: float, *, tpot: float = 0.5, rejected: int = 0) ->
         end_s=end,
         completed=500,
         slo_met=500,
-        rejected=rejected,
+        rejected=overloaded,
+        overloaded=overloaded,
         ttft_verdict=v(0.4, 1.0),
         tpot_verdict=v(tpot, 0.1),
     )
@@ -54,7 +55,7 @@ def window(start: float, end: float, *, tpot: float = 0.5, rejected: int = 0) ->
 
 class Script:
     """A reader whose n-th window is ``plan[n]``: a TPOT share of the SLO, a (share,
-    rejected) pair, or an exception to raise (Prometheus down)."""
+    refused for want of room) pair, or an exception to raise (Prometheus down)."""
 
     def __init__(self, plan: list) -> None:
         self.plan = plan
@@ -68,8 +69,8 @@ class Script:
         self.n += 1
         if isinstance(step, Exception):
             raise step
-        tpot, rejected = step if isinstance(step, tuple) else (step, 0)
-        return window(start_s, end_s, tpot=tpot, rejected=rejected)
+        tpot, overloaded = step if isinstance(step, tuple) else (step, 0)
+        return window(start_s, end_s, tpot=tpot, overloaded=overloaded)
 
 
 class FakeActuator:

@@ -44,7 +44,8 @@ class Emitter:
         for met in ("true", "false"):
             self.requests.labels(**labels, slo_met=met)
         self.tokens.labels(**labels)
-        self.rejected.labels(**labels, reason="queue_full")
+        for reason in names.REJECTED_REASONS:
+            self.rejected.labels(**labels, reason=reason)
 
     def record(self, ttft: float, tpot: float, tokens: int, **labels: str) -> bool:
         met = bool(self.slo.met(ttft, tpot))
@@ -59,7 +60,7 @@ class Emitter:
         self.running.labels(**labels).set(running)
         self.waiting.labels(**labels).set(waiting)
 
-    def reject(self, reason: str = "queue_full", **labels: str) -> None:
+    def reject(self, reason: str = names.REASON_OVERLOADED, **labels: str) -> None:
         self.rejected.labels(**labels, reason=reason).inc()
 
     def text(self) -> str:

@@ -45,16 +45,19 @@ def test_window_matches_the_raw_requests(endpoint: TextEndpoint) -> None:
         em.record(float(a), float(b), 10, **R1)
     for _ in range(7):
         em.reject(**R1)
+    for reason in (names.REASON_BAD_REQUEST, names.REASON_TOO_LARGE):
+        em.reject(reason, **R1)
     endpoint.body = em.text()
     s1 = src.snapshot()
     obs = src.observe(s0, s1)
     ref = observation_from_requests(
-        slo=SLO, start_s=0, end_s=1, ttft_s=ttft, tpot_s=tpot, generated_tokens=20000, rejected=7
+        slo=SLO, start_s=0, end_s=1, ttft_s=ttft, tpot_s=tpot, generated_tokens=20000, rejected=9
     )
     assert not obs.stale, obs.note
     assert (obs.completed, obs.slo_met) == (ref.completed, ref.slo_met) == (2000, ref.slo_met)
     assert 0 < obs.slo_met < 2000  # the data has both kinds
-    assert (obs.generated_tokens, obs.rejected) == (20000, 7)
+    assert (obs.generated_tokens, obs.rejected) == (20000, 9)
+    assert obs.overloaded == 7  # the 400 and the 413 are not refusals for want of room
     # Thresholds are bucket bounds: the verdict rests on the exact count above them.
     for got, want in ((obs.ttft_verdict, ref.ttft_verdict), (obs.tpot_verdict, ref.tpot_verdict)):
         assert got is not None and want is not None

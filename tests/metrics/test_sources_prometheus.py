@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client import start_http_server
 
+from metrics import names
 from metrics.build import observation_from_requests
 from metrics.observation import Observation, Slo, Verdict
 from metrics.sources import PromQLSource, ScrapeSource
@@ -48,6 +49,7 @@ def scenario(prometheus_server: PrometheusServer) -> Iterator[dict[str, object]]
                 em.record(5.0, 1.0, 7, **OTHER)  # another deployment: must not leak in
             for _ in range(9):
                 em.reject(**R2)
+            em.reject(names.REASON_BAD_REQUEST, **R2)  # refused, but not for want of room
             s1 = scrape.snapshot()
             prometheus_server.wait_scrapes("agree", 2)
             t_end = prometheus_server.last_scrape_s("agree")
@@ -78,9 +80,10 @@ def test_scrape_and_promql_agree(scenario: dict[str, object]) -> None:
     # extrapolates nothing, so its increase() equals the exact delta.
     promql = _promql(scenario).observe_range(window_s=t_end - t_zero + 1.0, end_s=t_end)
     assert not scrape.stale and not promql.stale, (scrape.note, promql.note)
-    for field in ("completed", "slo_met", "rejected", "generated_tokens"):
+    for field in ("completed", "slo_met", "rejected", "overloaded", "generated_tokens"):
         assert getattr(promql, field) == getattr(scrape, field), field
-    assert scrape.completed == 1500 and scrape.rejected == 9 and scrape.generated_tokens == 10500
+    assert scrape.completed == 1500 and scrape.generated_tokens == 10500
+    assert (scrape.rejected, scrape.overloaded) == (10, 9)
     # the batch per replica (6 and 10: 8) and the queue of both (1 + 3), not Other's
     for o in (scrape, promql):
         assert (o.running, o.waiting) == (8.0, 4.0), o.source
