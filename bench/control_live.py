@@ -218,7 +218,7 @@ def summarise(rows, marks, plan, settle_s, slo) -> dict:
         start = o.get("start_s") or r["time_s"]
         end = o.get("end_s") or r["time_s"]
         if r["from"] != r["to"] and r["applied"] or (r["dry_run"] and r["from"] != r["to"]):
-            changes[phase_of(start)] += 1
+            changes[phase_of(r["time_s"])] += 1  # the phase it was made in, not its window's
         tpot = o.get("tpot")
         if r["outcome"] == "inconclusive" or tpot is None or tpot.get("p99_s") is None:
             continue
