@@ -125,51 +125,51 @@ def main() -> None:
     results: dict[str, dict] = {}
     try:
         metrics = ray_metrics_url()
-        prom.add_target("ray", metrics.split("//", 1)[1].split("/", 1)[0])
-        reader, what = make_reader(
-            slo=slo,
-            app=setup.app,
-            metrics_url=None,
-            prometheus_url=prom.url,
-            prefix="ray_",
-            profile="slotune",
-            under_ray=True,
-        )
-        plan = phases(args)
-        total = sum(p[1] for p in plan)
-        policy = Policy(slo=slo, batch_max=max(64, args.start_batch))
-        start = Knobs(max_batch_size=args.start_batch, max_concurrency=args.start_batch)
-        variants = [args.only] if args.only else ["fixed", "control"]
-        for name in variants:
-            setup.actuator.apply(start)
-            time.sleep(5)
-            state_path = work / name / "state.json"
-            stop = threading.Event()
-            marks: list[float] = []
-            load = threading.Thread(target=offer, args=(setup.url, plan, stop, marks))
-            load.start()
-            try:
-                run_control(
-                    reader=reader,
-                    actuator=setup.actuator,
-                    policy=policy,
-                    state_path=state_path,
-                    audit_path=state_path.with_suffix(".audit.jsonl"),
-                    config=LoopConfig(
-                        interval_s=args.interval,
-                        dry_run=name == "fixed",
-                        max_ticks=int(total // args.interval),
-                    ),
-                    say=lambda s, n=name: print(f"[{n}] {s}", flush=True),
-                )
-            finally:
-                stop.set()
-                load.join(timeout=120)
-            rows = [
-                json.loads(x)
-                for x in state_path.with_suffix(".audit.jsonl").read_text().splitlines()
-            ]
-            results[name] = summarise(rows, marks, plan, args.settle_s, slo)
+        with prom.scraping("ray", metrics.split("//", 1)[1].split("/", 1)[0]):
+            reader, what = make_reader(
+                slo=slo,
+                app=setup.app,
+                metrics_url=None,
+                prometheus_url=prom.url,
+                prefix="ray_",
+                profile="slotune",
+                under_ray=True,
+            )
+            plan = phases(args)
+            total = sum(p[1] for p in plan)
+            policy = Policy(slo=slo, batch_max=max(64, args.start_batch))
+            start = Knobs(max_batch_size=args.start_batch, max_concurrency=args.start_batch)
+            variants = [args.only] if args.only else ["fixed", "control"]
+            for name in variants:
+                setup.actuator.apply(start)
+                time.sleep(5)
+                state_path = work / name / "state.json"
+                stop = threading.Event()
+                marks: list[float] = []
+                load = threading.Thread(target=offer, args=(setup.url, plan, stop, marks))
+                load.start()
+                try:
+                    run_control(
+                        reader=reader,
+                        actuator=setup.actuator,
+                        policy=policy,
+                        state_path=state_path,
+                        audit_path=state_path.with_suffix(".audit.jsonl"),
+                        config=LoopConfig(
+                            interval_s=args.interval,
+                            dry_run=name == "fixed",
+                            max_ticks=int(total // args.interval),
+                        ),
+                        say=lambda s, n=name: print(f"[{n}] {s}", flush=True),
+                    )
+                finally:
+                    stop.set()
+                    load.join(timeout=120)
+                rows = [
+                    json.loads(x)
+                    for x in state_path.with_suffix(".audit.jsonl").read_text().splitlines()
+                ]
+                results[name] = summarise(rows, marks, plan, args.settle_s, slo)
     finally:
         prom.stop()
         shutdown_local()
