@@ -12,15 +12,19 @@ every strategy sees the same windows (common random numbers: one simulator seed 
   batches at the base workload under a saturating load, as ``slotune tune`` measures it).
   It reads each window with the engine's running and waiting gauges, as it does live
   (``--without-gauges``: as from a server that exports neither).
-- ``best fixed``: of fixed batch limits on a lattice (admission limit = batch), the one with
-  the most goodput over the day among those within the SLO in >= 99% of windows: the best
-  a fixed setting could do, chosen in hindsight.
+- ``best fixed``: of fixed batch limits (admission limit = batch), the one with the most
+  goodput over the day among those that meet the SLO over the whole day, every window (the
+  issue's comparator: a fixed setting must be conservative for the day's worst hour), chosen
+  in hindsight: on a lattice 15% apart, then at every batch from the best of it to the next
+  lattice point up.
+- ``best fixed 99%``: the same among those within the SLO in >= 99% of windows, control's
+  own bar: a fixed setting allowed what control is allowed (a stricter test of control).
 - ``roofline``: the roofline's operating point, fixed (what a team without a canary runs).
 - ``canary``: the canary's point, fixed all day.
 
 A window is within the SLO when its p99 TTFT and p99 TPOT are both at most the SLO.
 Goals (issue 20): control's goodput >= the best fixed setting's, >= 99% of its windows within
-the SLO, fewer violating windows than the roofline setting.
+the SLO, fewer violating windows than the roofline setting. Both comparators are reported.
 
 Usage: ``python bench/control_day.py [--scenario h100-8b] [--ticks 12] [--seed 0]``; prints
 a table, then one JSON line.
@@ -202,14 +206,36 @@ def main() -> None:
         return r
 
     grid = {b: fixed(Knobs(max_batch_size=b, max_concurrency=b)) for b in lattice}
-    ok = {b: r for b, r in grid.items() if r.attainment >= 0.99}
-    best_b = max(ok, key=lambda b: ok[b].rps) if ok else None
+
+    def run_at(b: int) -> Run:
+        if b not in grid:
+            grid[b] = fixed(Knobs(max_batch_size=b, max_concurrency=b))
+        return grid[b]
+
+    def best_fixed(bar: float) -> int | None:
+        """The batch with the most goodput among those within the SLO in >= ``bar`` of
+        windows: the best lattice point, then every batch from it to the next lattice point
+        up (windows near the SLO make the bar's edge ragged: on l4-8b seed 1 a bisection on
+        it stopped at B=65, and B=68 kept every window within too), and the best of all
+        batches run, for either bar."""
+        ok = [b for b in lattice if grid[b].attainment >= bar]
+        if not ok:
+            return None
+        b = max(ok, key=lambda x: grid[x].rps)
+        for x in range(b + 1, next((y for y in lattice if y > b), b)):
+            run_at(x)
+        return max((x for x in grid if grid[x].attainment >= bar), key=lambda x: grid[x].rps)
+
+    best_b = best_fixed(1.0)
+    best99_b = best_fixed(0.99)
     roof_b = min(space.batch_max, base.seed_batch)
     roof = grid.get(roof_b) or fixed(Knobs(max_batch_size=roof_b, max_concurrency=roof_b))
     can = grid.get(canary.max_batch_size) or fixed(canary)
     rows = [("control", ctl, f"from B={canary.max_batch_size}")]
     if best_b is not None:
-        rows.append(("best fixed", ok[best_b], f"B={best_b}"))
+        rows.append(("best fixed", grid[best_b], f"B={best_b}"))
+    if best99_b is not None:
+        rows.append(("best fix 99%", grid[best99_b], f"B={best99_b}"))
     rows += [("roofline", roof, f"B={roof_b}"), ("canary", can, f"B={canary.max_batch_size}")]
     cpu = platform.processor() or platform.machine()
     print(
@@ -220,7 +246,8 @@ def main() -> None:
     print(f"{'strategy':12s} {'knobs':>12s} {'goodput/s':>10s} {'within SLO':>11s} {'changes':>8s}")
     for name, r, what in rows:
         print(f"{name:12s} {what:>12s} {r.rps:10.2f} {r.attainment:10.1%} {r.changes:8d}")
-    best = ok[best_b] if best_b is not None else None
+    best = grid[best_b] if best_b is not None else None
+    best99 = grid[best99_b] if best99_b is not None else None
     out = {
         "bench": "control_day",
         "scenario": args.scenario,
@@ -248,6 +275,9 @@ def main() -> None:
         "best_fixed": None
         if best is None
         else {"batch": best_b, "goodput_rps": best.rps, "within_slo": best.attainment},
+        "best_fixed_99": None
+        if best99 is None
+        else {"batch": best99_b, "goodput_rps": best99.rps, "within_slo": best99.attainment},
         "roofline": {"batch": roof_b, "goodput_rps": roof.rps, "within_slo": roof.attainment},
         "canary": {
             "batch": canary.max_batch_size,
@@ -255,6 +285,7 @@ def main() -> None:
             "within_slo": can.attainment,
         },
         "goodput_vs_best_fixed": None if best is None else ctl.rps / best.rps,
+        "goodput_vs_best_fixed_99": None if best99 is None else ctl.rps / best99.rps,
         "violating_windows": {
             "control": ctl.windows - ctl.within,
             "roofline": roof.windows - roof.within,
