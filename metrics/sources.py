@@ -94,8 +94,8 @@ class ScrapeSource:
 
     ``timeout_s`` defaults to Prometheus' own scrape timeout, 10 s (``DefaultGlobalConfig``
     in prometheus/config/config.go): Ray's export port renders every series of every
-    replica the node has run (MBs after a few dozen replicas; 6 MB, 0.5-1 s idle, measured
-    after the Ray tests here), and under load it answers in seconds (ray-project/ray#64891).
+    replica the node has run (6 MB after the Ray tests here, answered in up to 1 s while
+    they ran), and under load it answers in seconds (ray-project/ray#64891).
     """
 
     def __init__(
