@@ -352,6 +352,7 @@ def _plain_observation(timings, *, slo, confidence):
         completed=len(timings),
         slo_met=met,
         rejected=3,
+        overloaded=3,  # the simulator refuses only for want of room
         generated_tokens=sum(t.generated_tokens for t in timings),
         ttft=pct(ttft),
         tpot=pct(tpot),
