@@ -5,7 +5,15 @@ over the whole study, so every trial shares it and a GP or TPE sampler learns fr
 them; within a stage only part of that range is reachable (the batch cap bounds it).
 :class:`StageSampler` wraps any Optuna sampler and hands it the parameter's distribution
 narrowed to the stage's bounds, for relative and independent sampling alike; trials
-outside the bounds still inform the model. It uses only ``optuna.samplers.BaseSampler``'s
+outside the bounds still inform the model. Where a completed trial lies outside the bounds
+(or they hold one value) the relative sampler gets the whole distribution, and a value it
+picks outside the bounds is replaced by an independent one within them (the other
+parameters stay relative). Optuna 5.1's GPSampler needs both: it warm-starts its
+acquisition search at the best trial's parameters and fails an assertion
+(optuna/_gp/optim_mixed.py, ``_discrete_line_search``) when they lie outside the
+distribution it was given, and its constraint models, cached from the previous trial, fail
+when the relative space loses a dimension (optuna/_gp/gp.py, ``fit_kernel_params``).
+It uses only ``optuna.samplers.BaseSampler``'s
 public interface (optuna/samplers/_base.py, Optuna 5.1), the way Optuna's own
 ``PartialFixedSampler`` (optuna/samplers/_partial_fixed.py) wraps a base sampler to fix
 parameters: fixing is not enough here, the parameter is searched, within bounds.
@@ -51,16 +59,30 @@ class StageSampler(optuna.samplers.BaseSampler):
         space = dict(self._base.infer_relative_search_space(study, trial))
         if self._param in space:
             d = self._narrowed(space[self._param])
-            if d.single():  # nothing to search: the independent path returns it
-                del space[self._param]
-            else:
+            # The space keeps its dimensions (GPSampler's constraint models, cached between
+            # trials, fail when one goes); narrowed only where nothing measured lies outside
+            # (else sample_relative moves the value into the bounds).
+            if isinstance(d, IntDistribution) and not d.single() and not self._outside(study, d):
                 space[self._param] = d
         return space
+
+    def _outside(self, study: optuna.Study, d: IntDistribution) -> bool:
+        """Whether a completed trial's value of the parameter lies outside ``d``."""
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            v = t.params.get(self._param)
+            if v is not None and not d.low <= v <= d.high:
+                return True
+        return False
 
     def sample_relative(
         self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
-        return self._base.sample_relative(study, trial, search_space)
+        params = dict(self._base.sample_relative(study, trial, search_space))
+        if self._bounds is not None and self._param in params:
+            d = self._narrowed(search_space[self._param])
+            if isinstance(d, IntDistribution) and not d.low <= params[self._param] <= d.high:
+                params[self._param] = self.sample_independent(study, trial, self._param, d)
+        return params
 
     def sample_independent(
         self,

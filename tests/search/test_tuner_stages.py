@@ -15,7 +15,7 @@ from search.space import Knobs
 from search.stage_sampler import StageSampler
 from search.stages import KnobCosts, change_summary, next_cap, realize, stage_state
 from search.stop_rule import PointSummary, StopRule
-from search.tuner import Tuner
+from search.tuner import Tuner, make_sampler
 from tests.search.sim_objective import SLO, SPACE, model_tpot, noisy_window
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -294,3 +294,43 @@ def test_stage_sampler_keeps_samples_in_the_stage() -> None:
     with pytest.raises(ValueError, match="bounds=\\(0, 3\\)"):
         sampler.narrow(0, 3)
     assert math.isfinite(dist.high)
+
+
+def _gp_study() -> tuple[optuna.Study, StageSampler, dict]:
+    gp = make_sampler("gp", seed=0, n_startup_trials=4)
+    sampler = StageSampler(gp, "c")
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    dists = {
+        "c": optuna.distributions.IntDistribution(1, 400, log=True),
+        "h": optuna.distributions.IntDistribution(1, 4),
+    }
+    for c in (300, 200, 150, 5, 8, 12, 250):  # the best trial at c=300
+        study.enqueue_trial({"c": c, "h": 1})
+        t = study.ask(dists)
+        t.set_constraint("tpot", -1.0)  # every one within the SLO
+        study.tell(t, c / 10.0)
+    return study, sampler, dists
+
+
+def test_stage_sampler_under_gp_with_the_best_trial_outside_the_stage() -> None:
+    # Optuna 5.1's GPSampler starts its acquisition search at the best trial's parameters,
+    # and failed an assertion when the stage's bounds lay under them (a cap moved down).
+    study, sampler, dists = _gp_study()
+    sampler.narrow(2, 40)
+    for _ in range(3):
+        t = study.ask(dists)
+        assert 2 <= t.params["c"] <= 40
+        t.set_constraint("tpot", -0.5)
+        study.tell(t, 1.0)
+
+
+def test_stage_sampler_under_gp_from_one_value_back_to_a_range() -> None:
+    # A stage of one admission value, then a wider one: GPSampler's constraint model,
+    # cached from the trial before, failed when the relative space lost that dimension.
+    study, sampler, dists = _gp_study()
+    for bounds in ((7, 7), (2, 300), (7, 7), (5, 50)):
+        sampler.narrow(*bounds)
+        t = study.ask(dists)
+        assert bounds[0] <= t.params["c"] <= bounds[1]
+        t.set_constraint("tpot", -0.5)
+        study.tell(t, 1.0)
