@@ -57,7 +57,7 @@ class StageSampler(optuna.samplers.BaseSampler):
         self, study: optuna.Study, trial: FrozenTrial
     ) -> dict[str, BaseDistribution]:
         space = dict(self._base.infer_relative_search_space(study, trial))
-        if self._param in space:
+        if self._bounds is not None and self._param in space:
             d = self._narrowed(space[self._param])
             # The space keeps its dimensions (GPSampler's constraint models, cached between
             # trials, fail when one goes); narrowed only where nothing measured lies outside
