@@ -41,8 +41,10 @@ What it does, in order:
    of the limit, and set where a binding limit would run that batch, since it runs only
    ``FULL_BATCH`` of itself or so) and the admission limit with it
    at the same headroom; TTFT trouble alone lowers the admission limit toward the batch
-   limit (shedding at the door) and, once they meet, holds: TTFT is then queueing for the
-   batch, and a smaller batch would serve fewer and queue more (more replicas are needed).
+   limit (shedding at the door). Once they meet, TTFT is queueing for the batch, and a
+   smaller batch would serve fewer and queue more: with the TPOT level of these knobs (the
+   mean of ``near_windows`` or more) under ``loosen_below``, the batch goes up at once as far
+   as the curve keeps TPOT under it; otherwise it holds (more replicas are needed).
 4. **Loosen slowly**: only once every conclusive window of the last ``stabilization_s`` met
    both SLOs under ``loosen_below`` of them with demand queueing at the limit (requests
    refused for want of room, or waiting: arrivals beyond what the limit admits, not
@@ -367,33 +369,44 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         b, c = cur.max_batch_size, cur.max_concurrency
         if not hot_tpot and c == b:
             # TTFT alone with no admission headroom left: it is queueing for the batch, and
-            # a smaller batch would serve fewer and queue more. With TPOT under
-            # loosen_below a larger batch serves the queue: up at once, as far as the curve
-            # keeps TPOT under loosen_below (live, longer answers left B=18 at p99 TTFT
-            # 240% and TPOT ~55% where B=32 met both); else hold.
-            p99 = o.tpot_verdict.estimate_s if o.tpot_verdict is not None else math.nan
-            shrinks = ""
+            # a smaller batch would serve fewer and queue more. With the TPOT level of these
+            # knobs under loosen_below a larger batch serves the queue: up at once, as far
+            # as the curve keeps TPOT under loosen_below (live, longer answers left B=18 at
+            # p99 TTFT 240% and TPOT ~55% where B=32 met both); else hold.
+            # The level, not one window: raising whenever one window read low climbed on
+            # the noise (live, B=10 -> 24 on windows at 73-93% of the TPOT SLO, and B=24
+            # then read 101% and 110%)
+            p99 = mean_tpot * policy.slo.tpot_p99_s
+            why = ""
             # not after a rollback (that latch holds until --ack); a burn that found no
             # smaller known-good knobs does not stop the remedy for queueing (live, that
             # left B=18 at p99 TTFT 240-310% of its SLO where a fixed B=32 met both)
             rolled_back = bool(st.degraded) and st.rolled_back
-            if tpot_share <= policy.loosen_below and math.isfinite(p99) and not rolled_back:
+            if not pooled:
+                return hold(
+                    outcome,
+                    f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
+                    f"queueing for the batch; holding until {policy.near_windows} windows at "
+                    f"{cur} give its TPOT level ({n} so far)",
+                    calm_since=None,
+                )
+            if mean_tpot <= policy.loosen_below and not rolled_back:
                 nb = _loosen_to(b, p99, policy)
-                shrinks = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
-                if nb > b and not shrinks:
+                why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
+                if nb > b and not why:
                     new = policy.knobs(nb)
                     predicted = policy.predict_tpot_s(b, p99, nb)
                     why = (
                         f"p99 TTFT at {ttft_share:.0%} of its SLO from queueing at {cur} with "
-                        f"TPOT at {tpot_share:.0%}: the curve predicts p99 TPOT "
-                        f"{predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
+                        f"TPOT at {mean_tpot:.0%} over its last {n} windows: the curve "
+                        f"predicts p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
                     )
                     return change(outcome, Action.LOOSEN, new, why, predicted, calm_since=None)
             return hold(
                 outcome,
                 f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
                 "queueing for the batch; holding (more replicas needed, not a smaller batch)"
-                + (f"; {shrinks}" if shrinks else ""),
+                + (f"; {why}" if why else ""),
                 calm_since=None,
             )
         if not hot_tpot:  # TTFT alone: shed at the door

@@ -265,19 +265,41 @@ def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     d = tick(obs(100, ttft=1.2), State(knobs=k))
     assert d.action is Action.TIGHTEN
     assert d.knobs == Knobs(max_batch_size=16, max_concurrency=21)
-    d = tick(obs(100, ttft=1.2), State(knobs=K16))  # queueing, TPOT at 50%: serve it
+    # queueing, TPOT at 50%: serve it, once two windows give the knobs' TPOT level
+    d = tick(obs(100, ttft=1.2), State(knobs=K16))
+    assert d.action is Action.HOLD and d.knobs == K16 and "1 so far" in d.reason, d.reason
+    d = tick(obs(160, ttft=1.2, tpot=0.6), d.state)
     assert d.action is Action.LOOSEN and d.knobs == Knobs(max_batch_size=20, max_concurrency=20)
-    assert d.predicted_tpot_s == pytest.approx(0.05 * 20 / 16)
-    d = tick(obs(100, ttft=1.2, tpot=0.92), State(knobs=K16))  # no TPOT room: hold
-    assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason
+    assert d.predicted_tpot_s == pytest.approx(0.055 * 20 / 16)  # from the level, 55%
+    assert not d.state.level  # new knobs: their level starts afresh
+    st = State(knobs=K16)
+    for end in (100, 160):  # no TPOT room: hold
+        d = tick(obs(end, ttft=1.2, tpot=0.92), st)
+        assert d.action is Action.HOLD and d.knobs == K16, d.reason
+        st = d.state
+    assert "more replicas" in d.reason
     d = tick(obs(100, ttft=1.2, tpot=1.2), State(knobs=K16))  # TPOT too: the batch
     assert d.knobs == Knobs(max_batch_size=12, max_concurrency=12)
     # TPOT only near its SLO while TTFT is over: still the TTFT's rule (hold), twice over
     st = State(knobs=K16)
     for end in (100, 200):
         d = tick(obs(end, ttft=1.5, tpot=0.99), st)
-        assert d.action is Action.HOLD and "more replicas" in d.reason
+        assert d.action is Action.HOLD and d.knobs == K16, d.reason
         st = d.state
+    assert "more replicas" in d.reason
+
+
+def test_queueing_raises_the_batch_on_the_level_not_on_one_low_window() -> None:
+    # TTFT over from queueing at B=C=16; TPOT at 99% then 85%. One window at 85% is under
+    # loosen_below (90%), but the knobs' level (92%) is not: raising on the low window alone
+    # climbed on the noise to where the level sat at the SLO's edge
+    st = tick(obs(100, ttft=1.5, tpot=0.99), State(knobs=K16)).state
+    d = tick(obs(160, ttft=1.5, tpot=0.85), st)
+    assert d.action is Action.HOLD and d.knobs == K16, d.reason
+    # a third window at 60% brings the level to 81%: up, predicted from the level
+    d = tick(obs(220, ttft=1.5, tpot=0.60), d.state)
+    assert d.action is Action.LOOSEN and d.knobs.max_batch_size == 16 + 1, d.reason
+    assert d.predicted_tpot_s == pytest.approx(0.1 * (0.99 + 0.85 + 0.60) / 3 * 17 / 16)
 
 
 def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
@@ -400,12 +422,15 @@ def test_burning_with_nothing_known_good_latches_and_acts_on_the_window() -> Non
     # TTFT from queueing at the limit with TPOT at half its SLO: latched, and the batch
     # raised all the same (the remedy for queueing; nothing smaller was known good)
     d = tick(obs(60, ttft=3.0, missed=150))
+    d = tick(obs(120, ttft=3.0, missed=150), d.state)  # two windows: the knobs' level
     assert d.action is Action.LOOSEN and d.knobs.max_batch_size > 16, d.reason
     assert d.state.degraded and not d.state.rolled_back
     # ... but after a rollback the latch holds the batch until --ack
     back = State(knobs=K16, degraded="SLO burn; back to B=16", rolled_back=True)
     d = tick(obs(60, ttft=3.0, missed=150), back)
+    d = tick(obs(120, ttft=3.0, missed=150), d.state)
     assert d.action is Action.HOLD and d.knobs == K16, d.reason
+    assert len(d.state.level) == 2 and "more replicas" in d.reason
 
 
 def test_the_burn_window_forgets_old_misses() -> None:
