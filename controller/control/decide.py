@@ -382,7 +382,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # smaller known-good knobs does not stop the remedy for queueing (live, that
             # left B=18 at p99 TTFT 240-310% of its SLO where a fixed B=32 met both)
             rolled_back = bool(st.degraded) and st.rolled_back
-            if not pooled:
+            if not pooled and math.isfinite(tpot_share):
                 return hold(
                     outcome,
                     f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
@@ -390,7 +390,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                     f"{cur} give its TPOT level ({n} so far)",
                     calm_since=None,
                 )
-            if mean_tpot <= policy.loosen_below and not rolled_back:
+            # this window's TPOT must be known too: no raise on older windows alone
+            known = pooled and math.isfinite(tpot_share)
+            if known and mean_tpot <= policy.loosen_below and not rolled_back:
                 nb = _loosen_to(b, p99, policy)
                 why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
                 if nb > b and not why:

@@ -294,12 +294,17 @@ def test_queueing_raises_the_batch_on_the_level_not_on_one_low_window() -> None:
     # loosen_below (90%), but the knobs' level (92%) is not: raising on the low window alone
     # climbed on the noise to where the level sat at the SLO's edge
     st = tick(obs(100, ttft=1.5, tpot=0.99), State(knobs=K16)).state
-    d = tick(obs(160, ttft=1.5, tpot=0.85), st)
-    assert d.action is Action.HOLD and d.knobs == K16, d.reason
+    held = tick(obs(160, ttft=1.5, tpot=0.85), st)
+    assert held.action is Action.HOLD and held.knobs == K16, held.reason
     # a third window at 60% brings the level to 81%: up, predicted from the level
-    d = tick(obs(220, ttft=1.5, tpot=0.60), d.state)
+    d = tick(obs(220, ttft=1.5, tpot=0.60), held.state)
     assert d.action is Action.LOOSEN and d.knobs.max_batch_size == 16 + 1, d.reason
     assert d.predicted_tpot_s == pytest.approx(0.1 * (0.99 + 0.85 + 0.60) / 3 * 17 / 16)
+    # a window without a TPOT reading raises nothing on the older windows' level (60%)
+    low = State(knobs=K16, level=((100, 1.5, 0.6), (160, 1.5, 0.6)), last_end_s=160)
+    d = tick(replace(obs(220, ttft=1.5), tpot_verdict=None), low)
+    assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason, d.reason
+    assert tick(obs(220, ttft=1.5, tpot=0.6), low).action is Action.LOOSEN  # with one: up
 
 
 def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
