@@ -390,9 +390,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                     f"{cur} give its TPOT level ({n} so far)",
                     calm_since=None,
                 )
-            # this window's TPOT must be known too: no raise on older windows alone
-            known = pooled and math.isfinite(tpot_share)
-            if known and mean_tpot <= policy.loosen_below and not rolled_back:
+            # pooled from here where this window's TPOT is known; without it, no raise on
+            # the older windows alone
+            if math.isfinite(tpot_share) and mean_tpot <= policy.loosen_below and not rolled_back:
                 nb = _loosen_to(b, p99, policy)
                 why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
                 if nb > b and not why:
