@@ -44,6 +44,7 @@ def _policy(
     loosen_below: float | None,
     stabilization_s: float | None,
     min_requests: int | None,
+    attainment: float | None = None,
 ) -> Policy:
     """The control policy of the flags: bounded by ``--curve`` or ``--max-batch``."""
     from controller.control.policy import Policy, policy_from_curve
@@ -54,6 +55,7 @@ def _policy(
             loosen_below=loosen_below,
             stabilization_s=stabilization_s,
             min_requests=min_requests,
+            attainment=attainment,
         )
         knobs = {k: v for k, v in given.items() if v is not None}  # else the Policy's
         if curve is not None:
@@ -123,6 +125,12 @@ def control(
     min_requests: int = typer.Option(
         None, "--min-requests", help="Fewer in a window: inconclusive, hold [100]."
     ),
+    attainment: float = typer.Option(
+        None,
+        "--attainment",
+        help="Share of windows to keep within the TPOT SLO: the band is lowered for the "
+        "windows' measured spread [0.95].",
+    ),
     state: Path = typer.Option(None, "--state", help="State file (default: the user cache)."),
     audit: Path = typer.Option(None, "--audit", help="Audit log (default: beside the state)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Recommend; never apply."),
@@ -166,6 +174,8 @@ def control(
     for flag, share in (("--tighten-at", tighten_at), ("--loosen-below", loosen_below)):
         if share is not None:
             _share(flag, share)
+    if attainment is not None and not (math.isfinite(attainment) and 0.5 < attainment < 1):
+        raise BadInput(f"--attainment {attainment!r}: must be a share of windows in (0.5, 1)")
     at_least("--min-requests", min_requests, 1)
     at_least("--max-ticks", max_ticks, 1)
     at_least("--max-batch", max_batch, 1)
@@ -176,7 +186,16 @@ def control(
     policy = (
         None
         if ack
-        else _policy(slo, curve, max_batch, tighten_at, loosen_below, stabilization_s, min_requests)
+        else _policy(
+            slo,
+            curve,
+            max_batch,
+            tighten_at,
+            loosen_below,
+            stabilization_s,
+            min_requests,
+            attainment,
+        )
     )
 
     try:

@@ -44,15 +44,24 @@ What it does, in order:
    limit (shedding at the door). Once they meet, TTFT is queueing for the batch, and a
    smaller batch would serve fewer and queue more: with the TPOT level of these knobs (the
    mean of ``near_windows`` or more) under ``loosen_below``, the batch goes up at once as far
-   as the curve keeps TPOT under it; otherwise it holds (more replicas are needed).
+   as the curve keeps TPOT under it; otherwise it holds (more replicas are needed). A TPOT
+   level over the band cuts the batch even while TTFT is over.
+   **The TPOT band and the windows' spread**: where the limit holds the batch (it runs
+   full, or requests queue for it), the spread of p99 TPOT from window to window at one
+   batch is read from successive windows (:func:`window_spread`). Where it would put more
+   than 1 - ``attainment`` of the windows over the SLO at a level of ``tighten_at``, the
+   TPOT band (``tighten_at`` and ``loosen_below`` alike) is lowered to the level that keeps
+   ``attainment`` of them within (:func:`tpot_band`). A level over the lowered band but under
+   ``tighten_at`` cuts only where the curve predicts a cut of ``max_step`` brings it under the
+   band's floor; a queueing raise waits until the spread is known.
 4. **Loosen slowly**: only once every conclusive window of the last ``stabilization_s`` met
    both SLOs under ``loosen_below`` of them with demand queueing at the limit (requests
    refused for want of room, or waiting: arrivals beyond what the limit admits, not
    completions, which the limit itself caps); then by ``increase`` or ``increase_share`` of
    the batch each tick the calm lasts, to no batch whose p99 TPOT the curve predicts over
-   ``loosen_below`` of the SLO (so a loosening stops short of the tightening threshold: no
-   limit cycle). (HPA keeps the highest recommendation of the last 300 s before scaling
-   down; AIMD adds 1 and multiplies by 0.9.)
+   the TPOT band's ``loosen_below`` of the SLO (so a loosening stops short of the
+   tightening threshold: no limit cycle). (HPA keeps the highest recommendation of the
+   last 300 s before scaling down; AIMD adds 1 and multiplies by 0.9.)
 5. Otherwise **hold** (within the tolerance band between ``loosen_below`` and
    ``tighten_at``, or met without queueing: more room would not be used).
 """
@@ -84,13 +93,13 @@ class Action(str, enum.Enum):
     PAUSE = "pause"
 
 
-def _loosen_to(b: int, p99: float, policy: Policy, *, top: int | None = None) -> int:
+def _loosen_to(b: int, p99: float, policy: Policy, below: float, *, top: int | None = None) -> int:
     """The largest batch above ``b``, up to ``top`` and by at most ``max_step``, whose p99
-    TPOT the curve predicts under ``loosen_below`` of the SLO from ``p99`` at ``b``; ``b``
-    when none is."""
+    TPOT the curve predicts under ``below`` of the SLO from ``p99`` at ``b``; ``b`` when
+    none is."""
     hi = max(b + 1, math.floor(b * (1 + policy.max_step)))
     hi = min(policy.batch_max, hi if top is None else min(hi, top))
-    goal = policy.loosen_below * policy.slo.tpot_p99_s
+    goal = below * policy.slo.tpot_p99_s
     return next((x for x in range(hi, b, -1) if policy.predict_tpot_s(b, p99, x) <= goal), b)
 
 
@@ -105,6 +114,40 @@ def _step_down(x: int, policy: Policy) -> int:
     """``x`` x ``decrease``, by at most ``max_step`` of it and at least 1."""
     bounded = max(math.floor(x * policy.decrease), math.ceil(x * (1 - policy.max_step)))
     return min(x - 1, bounded)
+
+
+# The spread of p99 TPOT from window to window at unchanged knobs is read from the relative
+# differences of successive windows' shares there, both with the batch held by the limit:
+# the last SPREAD_PAIRS of them, and at least SPREAD_MIN before it moves the band.
+SPREAD_PAIRS = 24
+SPREAD_MIN = 4
+
+
+_Z = statistics.NormalDist()
+
+
+def window_spread(diffs: tuple[float, ...]) -> float:
+    """The windows' p99 TPOT spread (standard deviation over mean) from the relative
+    differences of successive windows at unchanged knobs: the median of their sizes over
+    0.674 x sqrt(2), the normal's quartile of a difference of two (a median, so one
+    difference across a change of load does not count); NaN with fewer than SPREAD_MIN."""
+    if len(diffs) < SPREAD_MIN:
+        return math.nan
+    return statistics.median(abs(d) for d in diffs) / (_Z.inv_cdf(0.75) * math.sqrt(2))
+
+
+def tpot_band(policy: Policy, state: State) -> tuple[float, float, float]:
+    """(tighten at, loosen below, spread) for the TPOT level: ``tighten_at`` and
+    ``loosen_below``, both lowered in proportion where the windows' spread would put more
+    than 1 - ``attainment`` of them over the SLO at a level of ``tighten_at``. A window
+    reads the level x (1 + spread x Z), so at most 1 - attainment of them are over it at a
+    level of 1 / (1 + z x spread), z the normal's ``attainment`` quantile (live, windows at
+    one batch spread 8-14%, and a level of 91-97% put one in eight over)."""
+    cv = window_spread(state.spread)
+    if not (math.isfinite(cv) and cv > 0):
+        return policy.tighten_at, policy.loosen_below, cv
+    at = min(policy.tighten_at, 1 / (1 + _Z.inv_cdf(policy.attainment) * cv))
+    return at, policy.loosen_below * at / policy.tighten_at, cv
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +167,10 @@ class State:
     # at these knobs in the last stabilization_s (or near_windows windows' time, if longer):
     # their mean is the level a near tightening reads
     level: tuple[tuple[float, float, float], ...] = ()
+    # the relative differences of successive windows' p99 TPOT shares at unchanged knobs, the
+    # last SPREAD_PAIRS: the windows' spread, which sets the TPOT band (tpot_band)
+    spread: tuple[float, ...] = ()
+    bound_end_s: float = -math.inf  # the end of the newest window its limit held the batch in
     ticks: int = 0
     holds: int = 0
     rollbacks: int = 0
@@ -288,6 +335,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     )
     outcome = Outcome.VIOLATED if violated else Outcome.MET
     ttft_share, tpot_share = _share_of_slo(o, policy.slo)
+    binds = _holds_the_batch(o, cur)
 
     # 2. the error budget burning: back to the last known-good knobs, latched
     burn = st.burn
@@ -332,28 +380,75 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     # down where p99 hardly moved with it)
     if math.isfinite(ttft_share) and math.isfinite(tpot_share):
         horizon = max(policy.stabilization_s, policy.near_windows * o.window_s)
-        level = (*st.level, (now, ttft_share, tpot_share))
-        st = replace(st, level=tuple(x for x in level if x[0] > now - horizon))
+        level = tuple(x for x in (*st.level, (now, ttft_share, tpot_share)) if x[0] > now - horizon)
+        st = replace(st, level=level)
+        # The spread of p99 at one batch is read, and steered by, only where the limit held
+        # the batch (running at it, or no gauge to tell): where the load holds it under the
+        # limit, the windows move with the load, not at random, and the limit is not what
+        # sets their p99 (a simulated night's windows at 40 running under B=124 differed by
+        # 7%, and a band lowered for that cut the batch to 35 for the day)
+        if binds:
+            prev = level[-2] if len(level) >= 2 else None  # the window before, same knobs
+            if prev is not None and prev[0] == st.bound_end_s and prev[2] > 0:
+                diff = 2 * (tpot_share - prev[2]) / (tpot_share + prev[2])
+                st = replace(st, spread=(*st.spread, diff)[-SPREAD_PAIRS:])
+            st = replace(st, bound_end_s=now)
+    # the TPOT band, lowered where the windows' spread would put too many over the SLO
+    tighten_tpot, loosen_tpot, spread = (
+        tpot_band(policy, st) if binds else (policy.tighten_at, policy.loosen_below, math.nan)
+    )
+    band = (
+        f"; TPOT band {loosen_tpot:.0%}-{tighten_tpot:.0%} for windows spread {spread:.0%}"
+        if tighten_tpot < policy.tighten_at
+        else ""
+    )
     n = len(st.level)
     pooled = n >= policy.near_windows
     mean_ttft = sum(x[1] for x in st.level) / n if pooled else math.nan
     mean_tpot = sum(x[2] for x in st.level) / n if pooled else math.nan
-    hot_tpot = o.tpot_verdict is not None and (violated_tpot or mean_tpot >= policy.tighten_at)
+    # TPOT near the SLO tightens even while TTFT is judged over from queueing: at a level
+    # over the band, that many windows would be over the TPOT SLO (live, at B=15-16 under
+    # 24 clients the windows read 84-115 ms at a level of 91-97% while a rule that left TPOT
+    # alone under TTFT trouble held them there: one in eight over)
+    hot_tpot = o.tpot_verdict is not None and (violated_tpot or mean_tpot >= tighten_tpot)
     hot_ttft = violated_ttft or mean_ttft >= policy.tighten_at
-    if violated_ttft and not violated_tpot:
-        # TTFT judged over and TPOT only near: the TTFT is the trouble; a smaller batch
-        # would queue more (live: B=19 -> 17 took p99 TTFT from 149% to 240% of its SLO)
-        hot_tpot = False
+    relief = ""
+    if hot_tpot and not violated_tpot and mean_tpot < policy.tighten_at:
+        # over the band only for the windows' spread: cut only where the curve predicts a
+        # cut of max_step brings the level under the band's floor. Where p99 hardly moves
+        # with the batch, smaller batches keep the level and the spread, and cuts on them
+        # ratchet down (a simulated day: B=66 -> 59 -> 53 -> 47 at 93-94% of the SLO)
+        run = _running_batch(o, cur.max_batch_size)
+        low = max(policy.batch_min, math.ceil(run * (1 - policy.max_step)))
+        p99 = mean_tpot * policy.slo.tpot_p99_s
+        at_low = policy.predict_tpot_s(run, p99, low) / policy.slo.tpot_p99_s
+        if at_low > loosen_tpot:
+            hot_tpot = False
+            relief = (
+                f"; the curve predicts {at_low:.0%} at B={low}, not under {loosen_tpot:.0%}: "
+                "a smaller batch would not bring it into the band"
+            )
     if not violated_tpot:  # near: the level's share, not this window's
         tpot_share = mean_tpot if hot_tpot else tpot_share
     if not violated_ttft:
         ttft_share = mean_ttft if hot_ttft else ttft_share
-    near_once = not (violated_tpot or violated_ttft) and max(ttft_share, tpot_share) >= (
-        policy.tighten_at
+    if relief and not hot_ttft:
+        return hold(
+            outcome,
+            f"met, p99 TPOT at {mean_tpot:.0%} of its SLO over the last {n} windows at {cur}, "
+            f"over the band{band}{relief}: holding {cur}",
+            calm_since=None,
+        )
+    near_once = not (violated_tpot or violated_ttft) and (
+        tpot_share >= tighten_tpot or ttft_share >= policy.tighten_at
     )
     if near_once and not (hot_tpot or hot_ttft):
         # met, near the SLO, but the knobs' level is not (yet): within the window noise
-        what, share = ("TPOT", tpot_share) if tpot_share >= ttft_share else ("TTFT", ttft_share)
+        what, share, at = (
+            ("TPOT", tpot_share, tighten_tpot)
+            if tpot_share >= tighten_tpot
+            else ("TTFT", ttft_share, policy.tighten_at)
+        )
         level = (
             f"the mean of their last {n} windows is under it"
             if pooled
@@ -361,8 +456,8 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         )
         return hold(
             outcome,
-            f"met, p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%} "
-            f"on the level of {cur}: {level}): holding {cur}",
+            f"met, p99 {what} at {share:.0%} of its SLO (tighten at {at:.0%} "
+            f"on the level of {cur}: {level}{band}): holding {cur}",
             calm_since=None,
         )
     if hot_tpot or hot_ttft:
@@ -390,10 +485,22 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                     f"{cur} give its TPOT level ({n} so far)",
                     calm_since=None,
                 )
+            wait = binds and len(st.spread) < SPREAD_MIN and math.isfinite(tpot_share)
+            if wait and mean_tpot <= policy.loosen_below:
+                # room under loosen_below, but the band a raise aims under is not known
+                # before the windows' spread is: raising on the level alone climbed into
+                # windows over the SLO where they spread wide
+                return hold(
+                    outcome,
+                    f"p99 TTFT at {ttft_share:.0%} of its SLO with TPOT within it at {cur}: "
+                    f"queueing for the batch; holding until {SPREAD_MIN} differences of "
+                    f"windows at a held batch give their spread ({len(st.spread)} so far)",
+                    calm_since=None,
+                )
             # pooled from here where this window's TPOT is known; without it, no raise on
             # the older windows alone
-            if math.isfinite(tpot_share) and mean_tpot <= policy.loosen_below and not rolled_back:
-                nb = _loosen_to(b, p99, policy)
+            if math.isfinite(tpot_share) and mean_tpot <= loosen_tpot and not rolled_back:
+                nb = _loosen_to(b, p99, policy, loosen_tpot)
                 why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
                 if nb > b and not why:
                     new = policy.knobs(nb)
@@ -401,7 +508,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                     why = (
                         f"p99 TTFT at {ttft_share:.0%} of its SLO from queueing at {cur} with "
                         f"TPOT at {mean_tpot:.0%} over its last {n} windows: the curve "
-                        f"predicts p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
+                        f"predicts p99 TPOT {predicted * 1e3:.0f} ms at {new}{band}: {cur} -> {new}"
                     )
                     return change(outcome, Action.LOOSEN, new, why, predicted, calm_since=None)
             return hold(
@@ -426,7 +533,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             nb = _step_down(run, policy)
             floor = min(nb, max(policy.batch_min, math.ceil(run * (1 - policy.max_step))))
             if math.isfinite(tpot_share) and tpot_share > 0:
-                nb = max(floor, min(nb, math.floor(run * policy.loosen_below / tpot_share)))
+                nb = max(floor, min(nb, math.floor(run * loosen_tpot / tpot_share)))
             if run < b:
                 # nb is the batch to run, and a limit that binds runs only a share of
                 # itself (arrivals wait a step to join): what ran, where the limit bound,
@@ -438,6 +545,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             new = policy.knobs(max(policy.batch_min, nb))
         what = "TPOT" if hot_tpot else "TTFT"
         share = tpot_share if hot_tpot else ttft_share
+        at = tighten_tpot if hot_tpot else policy.tighten_at
         if new == cur:
             return hold(
                 outcome,
@@ -445,16 +553,13 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                 " (more replicas needed)",
                 calm_since=None,
             )
-        why = (
-            f"p99 {what} at {share:.0%} of its SLO (tighten at {policy.tighten_at:.0%}):"
-            f" {cur} -> {new}"
-        )
+        why = f"p99 {what} at {share:.0%} of its SLO (tighten at {at:.0%}{band}): {cur} -> {new}"
         return change(outcome, Action.TIGHTEN, new, why, calm_since=None)
 
     # met, under tighten_at on both: a known-good point
     st = replace(st, last_good=cur)
     queued = _queued(o, cur.max_batch_size)
-    calm = ttft_share <= policy.loosen_below and tpot_share <= policy.loosen_below
+    calm = ttft_share <= policy.loosen_below and tpot_share <= loosen_tpot
     if st.degraded:
         return hold(
             outcome, f"met; degraded ({st.degraded}): holding {cur} until --ack", calm_since=None
@@ -463,7 +568,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         why = (
             f"met (p99 TTFT {ttft_share:.0%}, TPOT {tpot_share:.0%} of the SLO) "
             + ("within the tolerance band" if not calm else "with no demand queueing at the limit")
-            + f": holding {cur}"
+            + f"{band}: holding {cur}"
         )
         return hold(outcome, why, calm_since=None)
     since = st.calm_since if st.calm_since is not None else o.start_s
@@ -482,13 +587,13 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
     p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # MET: a finite estimate
     step = max(policy.increase, round(b * policy.increase_share))
-    nb = _loosen_to(b, p99, policy, top=b + step)
+    nb = _loosen_to(b, p99, policy, loosen_tpot, top=b + step)
     if nb == b:
         predicted = policy.predict_tpot_s(b, p99, b + 1)
         return hold(
             outcome,
             f"the curve predicts p99 TPOT {predicted * 1e3:.0f} ms at B={b + 1} (over "
-            f"{policy.loosen_below:.0%} of the SLO): holding {cur}",
+            f"{loosen_tpot:.0%} of the SLO{band}): holding {cur}",
         )
     predicted = policy.predict_tpot_s(b, p99, nb)
     new = policy.knobs(nb, max(cur.max_concurrency + (nb - b), round(nb * policy.headroom)))
@@ -496,8 +601,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     if shrinks:
         return hold(outcome, f"room to grow, but {shrinks}: holding {cur}")
     why = (
-        f"met under {policy.loosen_below:.0%} of the SLO with demand queueing for "
-        f"{waited:.0f} s; predicted p99 TPOT {predicted * 1e3:.0f} ms at {new}: {cur} -> {new}"
+        f"met under {loosen_tpot:.0%} of the TPOT SLO and {policy.loosen_below:.0%} of the TTFT "
+        f"SLO with demand queueing for {waited:.0f} s; predicted p99 TPOT "
+        f"{predicted * 1e3:.0f} ms at {new}{band}: {cur} -> {new}"
     )
     return change(outcome, Action.LOOSEN, new, why, predicted)
 
@@ -551,6 +657,25 @@ def _queued(o: Observation, limit: int) -> bool:
     if not (math.isfinite(o.waiting) and o.waiting > 0):
         return False
     return not math.isfinite(o.running) or o.running >= FULL_BATCH * limit
+
+
+def _holds_the_batch(o: Observation, knobs: Knobs) -> bool:
+    """Whether the limit held the window's batch: it ran full (``FULL_BATCH`` of the limit),
+    or requests queued for it (waiting, with the admission limit at the batch limit and p99
+    TTFT judged over its SLO: live, 24 clients under B=15 ran 10-12 with about one waiting,
+    as requests came and went); or the source has no running gauge to tell."""
+    if not math.isfinite(o.running):
+        return True
+    if o.running >= FULL_BATCH * knobs.max_batch_size:
+        return True
+    ttft = o.ttft_verdict
+    return (
+        knobs.max_concurrency == knobs.max_batch_size
+        and math.isfinite(o.waiting)
+        and o.waiting > 0
+        and ttft is not None
+        and ttft.verdict is Verdict.VIOLATED
+    )
 
 
 def _running_batch(o: Observation, limit: int) -> int:

@@ -31,6 +31,10 @@ class Policy:
     tighten_at: float = 0.95
     loosen_below: float = 0.9
     near_windows: int = 2  # windows at the knobs before their mean may tighten (decide.py)
+    # the share of windows the TPOT level is kept within the SLO at, given the spread of the
+    # windows measured at unchanged knobs: once known, it lowers tighten_at and loosen_below
+    # alike where the spread would put more windows than this over the SLO (decide.py)
+    attainment: float = 0.95
     decrease: float = 0.9
     increase: int = 1  # at least this many a loosening tick ...
     increase_share: float = 0.05  # ... or this share of the batch, whichever is more
@@ -64,6 +68,7 @@ class Policy:
                 f"loosen_below={self.loosen_below} >= tighten_at={self.tighten_at}: the "
                 "tolerance band between them would be empty"
             )
+        _share("attainment", self.attainment, lo=0.5)
         _share("decrease", self.decrease)
         _share("increase_share", self.increase_share)
         _share("max_step", self.max_step)

@@ -97,3 +97,12 @@ def test_ack_clears_the_latch_or_leaves_it_for_a_running_controller(tmp_path: Pa
     with Lease(state):  # a controller holds it
         assert _run(argv) == 0
     assert ack_path(state).exists() and load_state(state).degraded
+
+
+def test_the_policy_flags_reach_the_policy() -> None:
+    from controller.cli.control import _policy
+
+    p = _policy(SLO, None, 24, 0.9, 0.8, 120.0, 50, 0.99)
+    assert (p.batch_max, p.tighten_at, p.loosen_below) == (24, 0.9, 0.8)
+    assert (p.stabilization_s, p.min_requests, p.attainment) == (120.0, 50, 0.99)
+    assert _policy(SLO, None, 24, None, None, None, None).attainment == 0.95  # the default

@@ -14,6 +14,8 @@ from controller.control.decide import (
     State,
     acknowledge,
     decide,
+    tpot_band,
+    window_spread,
 )
 from controller.control.policy import Policy
 from metrics.observation import Observation, Slo, SloVerdict, Verdict
@@ -22,6 +24,8 @@ from search.space import Knobs
 SLO = Slo(ttft_p99_s=1.0, tpot_p99_s=0.1)
 POLICY = Policy(slo=SLO, batch_max=64, headroom=1.0, stabilization_s=300.0)
 K16 = Knobs(max_batch_size=16, max_concurrency=16)
+# the windows' spread already read, and small (1%): the TPOT band as configured
+QUIET = (0.01, -0.01, 0.01, -0.01)
 
 
 def _v(verdict: Verdict, share: float, bound: float, n: int) -> SloVerdict:
@@ -266,12 +270,15 @@ def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     assert d.action is Action.TIGHTEN
     assert d.knobs == Knobs(max_batch_size=16, max_concurrency=21)
     # queueing, TPOT at 50%: serve it, once two windows give the knobs' TPOT level
-    d = tick(obs(100, ttft=1.2), State(knobs=K16))
+    d = tick(obs(100, ttft=1.2), State(knobs=K16, spread=QUIET))
     assert d.action is Action.HOLD and d.knobs == K16 and "1 so far" in d.reason, d.reason
     d = tick(obs(160, ttft=1.2, tpot=0.6), d.state)
     assert d.action is Action.LOOSEN and d.knobs == Knobs(max_batch_size=20, max_concurrency=20)
     assert d.predicted_tpot_s == pytest.approx(0.055 * 20 / 16)  # from the level, 55%
     assert not d.state.level  # new knobs: their level starts afresh
+    # ... and once the windows' spread is known: before it, the band a raise aims under is not
+    d = tick(obs(160, ttft=1.2, tpot=0.6), tick(obs(100, ttft=1.2)).state)
+    assert d.action is Action.HOLD and "give their spread (1 so far)" in d.reason, d.reason
     st = State(knobs=K16)
     for end in (100, 160):  # no TPOT room: hold
         d = tick(obs(end, ttft=1.2, tpot=0.92), st)
@@ -280,20 +287,20 @@ def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     assert "more replicas" in d.reason
     d = tick(obs(100, ttft=1.2, tpot=1.2), State(knobs=K16))  # TPOT too: the batch
     assert d.knobs == Knobs(max_batch_size=12, max_concurrency=12)
-    # TPOT only near its SLO while TTFT is over: still the TTFT's rule (hold), twice over
-    st = State(knobs=K16)
-    for end in (100, 200):
-        d = tick(obs(end, ttft=1.5, tpot=0.99), st)
-        assert d.action is Action.HOLD and d.knobs == K16, d.reason
-        st = d.state
-    assert "more replicas" in d.reason
+    # TPOT near its SLO while TTFT is over: one window holds; a level over tighten_at cuts
+    # the batch all the same (more windows would be over the TPOT SLO than the band allows,
+    # and a larger batch is no remedy)
+    d = tick(obs(100, ttft=1.5, tpot=0.99), State(knobs=K16))
+    assert d.action is Action.HOLD and d.knobs == K16, d.reason
+    d = tick(obs(200, ttft=1.5, tpot=0.99), d.state)
+    assert d.action is Action.TIGHTEN and d.knobs.max_batch_size < 16, d.reason
 
 
 def test_queueing_raises_the_batch_on_the_level_not_on_one_low_window() -> None:
     # TTFT over from queueing at B=C=16; TPOT at 99% then 85%. One window at 85% is under
     # loosen_below (90%), but the knobs' level (92%) is not: raising on the low window alone
     # climbed on the noise to where the level sat at the SLO's edge
-    st = tick(obs(100, ttft=1.5, tpot=0.99), State(knobs=K16)).state
+    st = tick(obs(100, ttft=1.5, tpot=0.99), State(knobs=K16, spread=QUIET * 3)).state
     held = tick(obs(160, ttft=1.5, tpot=0.85), st)
     assert held.action is Action.HOLD and held.knobs == K16, held.reason
     # a third window at 60% brings the level to 81%: up, predicted from the level
@@ -301,10 +308,107 @@ def test_queueing_raises_the_batch_on_the_level_not_on_one_low_window() -> None:
     assert d.action is Action.LOOSEN and d.knobs.max_batch_size == 16 + 1, d.reason
     assert d.predicted_tpot_s == pytest.approx(0.1 * (0.99 + 0.85 + 0.60) / 3 * 17 / 16)
     # a window without a TPOT reading raises nothing on the older windows' level (60%)
-    low = State(knobs=K16, level=((100, 1.5, 0.6), (160, 1.5, 0.6)), last_end_s=160)
+    low = State(knobs=K16, level=((100, 1.5, 0.6), (160, 1.5, 0.6)), last_end_s=160, spread=QUIET)
     d = tick(replace(obs(220, ttft=1.5), tpot_verdict=None), low)
     assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason, d.reason
     assert tick(obs(220, ttft=1.5, tpot=0.6), low).action is Action.LOOSEN  # with one: up
+
+
+def test_the_window_spread_is_read_from_successive_differences_robustly() -> None:
+    assert math.isnan(window_spread((0.1, -0.1, 0.1)))  # too few differences to read it
+    # differences of two windows spread 10% each are spread 10% x sqrt(2): their median
+    # size is 0.674 x that
+    assert window_spread((0.0954, -0.0954, 0.0954, -0.0954)) == pytest.approx(0.1, rel=1e-3)
+    # one difference across a change of load does not move it (a median, not a mean)
+    assert window_spread((0.0954, -0.0954, 0.0954, -0.0954, 0.8)) == pytest.approx(0.1, rel=1e-3)
+
+
+def test_the_tpot_band_is_lowered_where_the_windows_spread_wide() -> None:
+    assert tpot_band(POLICY, State(knobs=K16))[:2] == (0.95, 0.9)  # no spread known yet
+    quiet = State(knobs=K16, spread=(0.02, -0.02, 0.02, -0.02))  # 2%: 95% leaves <5% over
+    assert tpot_band(POLICY, quiet)[:2] == (0.95, 0.9)
+    wide = State(knobs=K16, spread=(0.1431, -0.1431, 0.1431, -0.1431))  # 15%
+    at, below, cv = tpot_band(POLICY, wide)
+    assert cv == pytest.approx(0.15, rel=1e-3)
+    assert at == pytest.approx(1 / (1 + 1.6449 * 0.15), rel=1e-3)  # 80%: 5% of windows over
+    assert below == pytest.approx(0.9 * at / 0.95)  # the band keeps its proportions
+    stricter = tpot_band(replace(POLICY, attainment=0.99), wide)[0]
+    assert stricter == pytest.approx(1 / (1 + 2.3263 * 0.15), rel=1e-3)
+
+
+def test_windows_that_spread_wide_tighten_at_a_lower_level() -> None:
+    """Windows at one batch reading 80-94% of the TPOT SLO (a level of 87%, under
+    tighten_at) put one in twenty or more over it: once their spread is known, the band is
+    lowered and the level cuts the batch; windows as high but quiet hold."""
+    st = State(knobs=K16)
+    for i, share in enumerate([0.80, 0.94] * 3):
+        d = tick(obs(100 + 60 * i, tpot=share), st)
+        st = d.state
+        if d.action is not Action.HOLD:
+            break
+    assert i == 4 and len(st.spread) == 4  # held until four differences gave the spread
+    assert d.action is Action.TIGHTEN and d.knobs.max_batch_size < 16, d.reason
+    assert "TPOT band" in d.reason and "spread 17%" in d.reason, d.reason
+    # where the curve says p99 hardly moves with the batch (here 2% from B=12 to B=16), a
+    # smaller batch would keep the level and its spread: hold, not ratchet down
+    flat = replace(POLICY, curve=((8, 0.088), (12, 0.090), (16, 0.092)))
+    st = State(knobs=K16)
+    for i, share in enumerate([0.80, 0.94] * 3):
+        d = decide(Signals(observation=obs(100 + 60 * i, tpot=share)), st, flat)
+        assert d.action is Action.HOLD, d.reason
+        st = d.state
+    assert "would not bring it into the band" in d.reason, d.reason
+    quiet = [0.86, 0.88, 0.87, 0.88, 0.86, 0.87]
+    st = State(knobs=K16)
+    for i, share in enumerate(quiet):
+        d = tick(obs(100 + 60 * i, tpot=share), st)
+        assert d.action is Action.HOLD and d.knobs == K16, d.reason
+        st = d.state
+    # the spread is the deployment's, not the knobs': it outlives a change of them
+    moved = tick(obs(100, tpot=1.2), State(knobs=K16, spread=st.spread))
+    assert moved.action is Action.TIGHTEN and moved.state.spread == st.spread
+
+
+def test_the_spread_is_read_and_steered_only_where_the_limit_holds_the_batch() -> None:
+    """Windows whose batch the load holds under the limit move with the load, and the
+    limit does not set their p99: their differences are not the spread, and the band stays
+    (a simulated night cut B=124 to 35 on such windows); at the limit they are."""
+    for running, lowered in ((8.0, False), (15.0, True)):
+        st = State(knobs=K16)
+        for i, share in enumerate([0.80, 0.94] * 3):
+            d = tick(obs(100 + 60 * i, tpot=share, running=running), st)
+            st = d.state
+            if d.action is not Action.HOLD:
+                break
+        assert (d.action is Action.TIGHTEN) is lowered, d.reason
+        assert ("TPOT band" in d.reason) is lowered and len(st.spread) == 4 * lowered
+    # requests queueing for the batch (waiting, TTFT over at B=C) is the limit holding it too,
+    # though a batch that turns over runs short of it (live: 10-12 running under B=15)
+    st = State(knobs=K16)
+    for i, share in enumerate([0.80, 0.94] * 3):
+        d = tick(obs(100 + 60 * i, ttft=1.5, tpot=share, running=11.0, waiting=1.0), st)
+        st = d.state
+        if d.action is not Action.HOLD:
+            break
+    assert d.action is Action.TIGHTEN and "TPOT band" in d.reason, d.reason
+    # a window under the limit between two at it breaks the pair: no difference across it
+    st = State(knobs=K16)
+    for i, running in enumerate([15.0, 8.0, 15.0, 15.0]):
+        st = tick(obs(100 + 60 * i, tpot=0.8 + 0.02 * i, running=running), st).state
+    assert len(st.spread) == 1
+
+
+def test_windows_that_spread_wide_loosen_only_under_the_lowered_band() -> None:
+    calm = replace(POLICY, stabilization_s=0.0)
+    wide = (0.1431, -0.1431, 0.1431, -0.1431)  # 15%: the band 76-80%
+    o = obs(100, tpot=0.78, overloaded=20)  # under loosen_below, in the lowered band
+    assert decide(Signals(observation=o), State(knobs=K16), calm).action is Action.LOOSEN
+    d = decide(Signals(observation=o), State(knobs=K16, spread=wide), calm)
+    assert d.action is Action.HOLD and "within the tolerance band" in d.reason, d.reason
+    low = obs(100, tpot=0.6, overloaded=20)
+    d = decide(Signals(observation=low), State(knobs=K16, spread=wide), calm)
+    assert d.action is Action.LOOSEN, d.reason
+    assert d.predicted_tpot_s <= tpot_band(calm, d.state)[1] * SLO.tpot_p99_s
 
 
 def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
@@ -426,12 +530,12 @@ def test_burning_with_nothing_known_good_latches_and_acts_on_the_window() -> Non
     assert d.action is Action.TIGHTEN and d.state.degraded and d.state.rollbacks == 0
     # TTFT from queueing at the limit with TPOT at half its SLO: latched, and the batch
     # raised all the same (the remedy for queueing; nothing smaller was known good)
-    d = tick(obs(60, ttft=3.0, missed=150))
+    d = tick(obs(60, ttft=3.0, missed=150), State(knobs=K16, spread=QUIET))
     d = tick(obs(120, ttft=3.0, missed=150), d.state)  # two windows: the knobs' level
     assert d.action is Action.LOOSEN and d.knobs.max_batch_size > 16, d.reason
     assert d.state.degraded and not d.state.rolled_back
     # ... but after a rollback the latch holds the batch until --ack
-    back = State(knobs=K16, degraded="SLO burn; back to B=16", rolled_back=True)
+    back = State(knobs=K16, degraded="SLO burn; back to B=16", rolled_back=True, spread=QUIET)
     d = tick(obs(60, ttft=3.0, missed=150), back)
     d = tick(obs(120, ttft=3.0, missed=150), d.state)
     assert d.action is Action.HOLD and d.knobs == K16, d.reason

@@ -259,6 +259,8 @@ VALUE_CASES = [
     (["control", "--app", "a", "--interval", "0"], "--interval 0"),
     (["control", "--app", "a", "--tighten-at", "1.5"], "--tighten-at 1.5"),
     (["control", "--app", "a", "--loosen-below", "nan"], "--loosen-below nan"),
+    (["control", "--app", "a", "--attainment", "0.4"], "--attainment 0.4"),
+    (["control", "--app", "a", "--attainment", "1"], "--attainment 1.0"),
     (["control", "--app", "a", "--stabilization", "-1"], "--stabilization -1"),
     (["control", "--app", "a", "--prometheus-url", "9090"], "--prometheus-url 9090"),
     (["control", "--app", "a", "--actuator", "k8s"], "--actuator k8s"),
