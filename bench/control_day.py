@@ -144,6 +144,12 @@ def main() -> None:
     )
     ap.add_argument("--peak", type=float, default=1.2, help="peak rate x the canary's goodput")
     ap.add_argument(
+        "--attainment",
+        type=float,
+        default=Policy.attainment,
+        help="control's share of windows to keep within the TPOT SLO at their spread",
+    )
+    ap.add_argument(
         "--without-gauges",
         action="store_true",
         help="control sees no running/waiting gauges (a server that exports neither)",
@@ -185,6 +191,7 @@ def main() -> None:
         # five ticks, as 300 s are five one-minute ticks of a live controller
         stabilization_s=5 * hours[0].sim_config.window_s,
         burn_window_s=5 * hours[0].sim_config.window_s,
+        attainment=args.attainment,
     )
     state = State(knobs=canary)
     ctl = Run()
@@ -255,6 +262,7 @@ def main() -> None:
         "windows": len(ticks),
         "seed": args.seed,
         "gauges": not args.without_gauges,
+        "attainment": args.attainment,
         "control": {
             "goodput_rps": ctl.rps,
             "within_slo": ctl.attainment,
