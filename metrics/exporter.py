@@ -91,7 +91,21 @@ class ControllerExporter:
             "Replicas whose p99 TPOT was far above the others' in the last window.",
             registry=reg,
         )
+        self.tpot_band = Gauge(
+            names.CONTROLLER_TPOT_BAND,
+            "The TPOT band slotune control steered by, shares of the SLO (edge: tighten, "
+            "loosen); lowered where the windows spread wide.",
+            ["edge"],
+            registry=reg,
+        )
+        self.tpot_spread = Gauge(
+            names.CONTROLLER_TPOT_SPREAD,
+            "Spread of p99 TPOT from window to window where the limit held the batch "
+            "(sd / mean; NaN before it is known).",
+            registry=reg,
+        )
         self.best_goodput.set(math.nan)
+        self.set_tpot_band(math.nan, math.nan, math.nan)
         self.goodput.set(math.nan)
         for slo in ("ttft", "tpot"):
             self._set_verdict(slo, None)
@@ -119,6 +133,11 @@ class ControllerExporter:
 
     def set_outliers(self, n: int) -> None:
         self.outliers.set(n)
+
+    def set_tpot_band(self, tighten_at: float, loosen_below: float, spread: float) -> None:
+        self.tpot_band.labels(edge="tighten").set(tighten_at)
+        self.tpot_band.labels(edge="loosen").set(loosen_below)
+        self.tpot_spread.set(spread)
 
     def set_degraded(self, degraded: bool) -> None:
         self.degraded.set(1.0 if degraded else 0.0)

@@ -56,6 +56,10 @@ CONTROLLER_STALE = "slotune_controller_metrics_stale"  # gauge 0/1
 CONTROLLER_DECISIONS_TOTAL = "slotune_controller_decisions_total"  # labels action, outcome
 CONTROLLER_DEGRADED = "slotune_controller_degraded"  # gauge 0/1
 CONTROLLER_OUTLIERS = "slotune_controller_outlier_replicas"  # gauge, last window
+# the TPOT band slotune control steered by in the last window, as shares of the SLO, and the
+# spread of p99 TPOT from window to window it was lowered for (NaN before it is known)
+CONTROLLER_TPOT_BAND = "slotune_controller_tpot_band_share"  # gauge, label edge
+CONTROLLER_TPOT_SPREAD = "slotune_controller_tpot_window_spread"  # gauge
 
 # Labels.
 LABEL_SLO_MET = "slo_met"  # "true" | "false"

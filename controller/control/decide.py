@@ -197,6 +197,9 @@ class Decision:
     reason: str
     state: State
     predicted_tpot_s: float = math.nan  # for a loosening: the curve's p99 TPOT at the new batch
+    # (tighten at, loosen below, spread): the TPOT band the tick steered by (tpot_band); NaN
+    # where it decided before reading one (a pause, an inconclusive window, a rollback)
+    tpot_band: tuple[float, float, float] = (math.nan, math.nan, math.nan)
     outliers: tuple[str, ...] = ()  # replicas much slower than the rest (reported, see below)
 
     @property
@@ -286,9 +289,13 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     st = replace(state, ticks=state.ticks + 1)
     cur = st.knobs
 
+    steered: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # set once read
+
     def hold(outcome: Outcome, why: str, **kw: object) -> Decision:
         s = replace(st, holds=st.holds + 1, **kw)  # type: ignore[arg-type]
-        return Decision(outcome=outcome, action=Action.HOLD, knobs=cur, reason=why, state=s)
+        return Decision(
+            outcome=outcome, action=Action.HOLD, knobs=cur, reason=why, state=s, tpot_band=steered
+        )
 
     def change(
         outcome: Outcome,
@@ -307,6 +314,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             reason=why,
             state=s,
             predicted_tpot_s=predicted,
+            tpot_band=steered,
         )
 
     # 1. someone else's knobs, or a setting derived from them: pause
@@ -397,6 +405,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     tighten_tpot, loosen_tpot, spread = (
         tpot_band(policy, st) if binds else (policy.tighten_at, policy.loosen_below, math.nan)
     )
+    steered = (tighten_tpot, loosen_tpot, window_spread(st.spread))
     band = (
         f"; TPOT band {loosen_tpot:.0%}-{tighten_tpot:.0%} for windows spread {spread:.0%}"
         if tighten_tpot < policy.tighten_at

@@ -275,5 +275,7 @@ def _export(exporter: ControllerExporter | None, d: Decision, obs: Observation, 
     exporter.decision(d.action.value, d.outcome.value)
     exporter.set_degraded(bool(s.degraded))
     exporter.set_outliers(len(d.outliers))
+    if math.isfinite(d.tpot_band[0]):  # a tick that read no band leaves the last one shown
+        exporter.set_tpot_band(*d.tpot_band)
     if d.action is Action.ROLLBACK:
         exporter.rollback()

@@ -348,6 +348,9 @@ def test_windows_that_spread_wide_tighten_at_a_lower_level() -> None:
             break
     assert i == 4 and len(st.spread) == 4  # held until four differences gave the spread
     assert d.action is Action.TIGHTEN and d.knobs.max_batch_size < 16, d.reason
+    assert d.tpot_band == tpot_band(POLICY, st)  # the band it steered by, for the exporter
+    assert d.tpot_band[0] < 0.8 and d.tpot_band[2] == pytest.approx(0.17, abs=0.01)
+    assert all(map(math.isnan, tick(obs(100, n=5)).tpot_band))  # inconclusive: none read
     assert "TPOT band" in d.reason and "spread 17%" in d.reason, d.reason
     # where the curve says p99 hardly moves with the batch (here 2% from B=12 to B=16), a
     # smaller batch would keep the level and its spread: hold, not ratchet down

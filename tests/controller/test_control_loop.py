@@ -278,6 +278,9 @@ def test_every_tick_is_audited_saved_and_exported(tmp_path) -> None:
     text = exp.text()
     assert f'{names.CONTROLLER_DECISIONS_TOTAL}{{action="tighten",outcome="violated"}} 1.0' in text
     assert f'{names.CONTROLLER_KNOB}{{knob="max_batch_size"}} 12.0' in text
+    # the band it steered by: as configured, the windows' spread not yet known
+    assert f'{names.CONTROLLER_TPOT_BAND}{{edge="tighten"}} 0.95' in text
+    assert f"{names.CONTROLLER_TPOT_SPREAD} NaN" in text
 
 
 def test_a_second_controller_is_refused_while_the_first_holds_the_lease(tmp_path) -> None:

@@ -57,6 +57,12 @@ def test_exports_knobs_trials_goodput_verdicts_rollbacks() -> None:
     assert _value(exp, names.CONTROLLER_SLO_VERDICT, slo="tpot", verdict="violated") == 1
     assert _value(exp, names.CONTROLLER_QUANTILE_SECONDS, slo="tpot") == 0.3
     assert _value(exp, names.CONTROLLER_STALE) == 0
+    assert math.isnan(_value(exp, names.CONTROLLER_TPOT_BAND, edge="tighten"))  # none yet
+    assert math.isnan(_value(exp, names.CONTROLLER_TPOT_SPREAD))
+    exp.set_tpot_band(0.86, 0.81, 0.1)
+    assert _value(exp, names.CONTROLLER_TPOT_BAND, edge="tighten") == 0.86
+    assert _value(exp, names.CONTROLLER_TPOT_BAND, edge="loosen") == 0.81
+    assert _value(exp, names.CONTROLLER_TPOT_SPREAD) == 0.1
 
 
 def test_rejects_non_numeric_knobs() -> None:
