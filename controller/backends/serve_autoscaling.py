@@ -126,6 +126,47 @@ class Scaling:
         )
 
 
+def shrinks_fleet(
+    sc: Scaling | None,
+    *,
+    running: float,
+    waiting: float,
+    limit_from: int,
+    limit_to: int,
+    what: str,
+) -> str:
+    """Why raising the admission limit from ``limit_from`` to ``limit_to`` (``what``, as
+    the reason names the new knobs) would fight Serve's
+    autoscaler (empty when it would not): its target moves with the limit, so a higher
+    limit is a higher scaling point, and where the requests in flight would then fit on
+    fewer replicas, it removes some and the rest absorb their load (Dynamo's planner
+    swung 2 <-> 1 that way). Predicted with Serve's default policy, from the window's
+    running (per replica) and waiting requests."""
+    if sc is None or not (sc.follows_admission and sc.default_policy):
+        return ""
+    if not (math.isfinite(running) and sc.current_replicas > 0):
+        return ""
+    total = running * sc.current_replicas + (waiting if math.isfinite(waiting) else 0.0)
+    target = sc.target_ongoing_requests * limit_to / limit_from
+
+    def settles(t: float) -> int:
+        return predicted_replicas(
+            ongoing_total=total,
+            target=t,
+            min_replicas=sc.min_replicas,
+            max_replicas=sc.max_replicas,
+            current=sc.current_replicas,
+        )
+
+    after = settles(target)
+    if after >= min(sc.current_replicas, settles(sc.target_ongoing_requests)):
+        return ""  # the loosening itself removes none
+    return (
+        f"at {what} Serve's autoscaler would settle at {after} of {sc.current_replicas} "
+        f"replicas for the {total:.0f} requests in flight (target {target:.1f} a replica)"
+    )
+
+
 def declared_autoscaling(app_cfg: dict[str, Any], deployment: str) -> dict[str, Any] | None:
     """The ``autoscaling_config`` mapping the app config's entry for ``deployment`` holds.
 

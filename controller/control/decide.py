@@ -48,10 +48,10 @@ What it does, in order:
    level over the band cuts the batch even while TTFT is over.
    **The TPOT band and the windows' spread**: where the limit holds the batch (it runs
    full, or requests queue for it), the spread of p99 TPOT from window to window at one
-   batch is read from successive windows (:func:`window_spread`). Where it would put more
+   batch is read from successive windows (policy.py: ``window_spread``). Where it would put more
    than 1 - ``attainment`` of the windows over the SLO at a level of ``tighten_at``, the
    TPOT band (``tighten_at`` and ``loosen_below`` alike) is lowered to the level that keeps
-   ``attainment`` of them within (:func:`tpot_band`). A level over the lowered band but under
+   ``attainment`` of them within (``tpot_band``). A level over the lowered band but under
    ``tighten_at`` cuts only where the curve predicts a cut of ``max_step`` brings it under the
    band's floor; a queueing raise waits until the spread is known.
 4. **Loosen slowly**: only once every conclusive window of the last ``stabilization_s`` met
@@ -70,11 +70,12 @@ from __future__ import annotations
 
 import enum
 import math
-import statistics
 from dataclasses import dataclass, replace
 
-from controller.backends.serve_autoscaling import Scaling, predicted_replicas
-from controller.control.policy import Policy
+from controller.backends.serve_autoscaling import Scaling, shrinks_fleet
+from controller.control.gauges import FULL_BATCH, holds_the_batch, queued, running_batch
+from controller.control.outliers import outliers
+from controller.control.policy import SPREAD_MIN, SPREAD_PAIRS, Policy, tpot_band, window_spread
 from metrics.observation import Observation, Slo, Verdict
 from search.space import Knobs
 
@@ -114,40 +115,6 @@ def _step_down(x: int, policy: Policy) -> int:
     """``x`` x ``decrease``, by at most ``max_step`` of it and at least 1."""
     bounded = max(math.floor(x * policy.decrease), math.ceil(x * (1 - policy.max_step)))
     return min(x - 1, bounded)
-
-
-# The spread of p99 TPOT from window to window at unchanged knobs is read from the relative
-# differences of successive windows' shares there, both with the batch held by the limit:
-# the last SPREAD_PAIRS of them, and at least SPREAD_MIN before it moves the band.
-SPREAD_PAIRS = 24
-SPREAD_MIN = 4
-
-
-_Z = statistics.NormalDist()
-
-
-def window_spread(diffs: tuple[float, ...]) -> float:
-    """The windows' p99 TPOT spread (standard deviation over mean) from the relative
-    differences of successive windows at unchanged knobs: the median of their sizes over
-    0.674 x sqrt(2), the normal's quartile of a difference of two (a median, so one
-    difference across a change of load does not count); NaN with fewer than SPREAD_MIN."""
-    if len(diffs) < SPREAD_MIN:
-        return math.nan
-    return statistics.median(abs(d) for d in diffs) / (_Z.inv_cdf(0.75) * math.sqrt(2))
-
-
-def tpot_band(policy: Policy, state: State) -> tuple[float, float, float]:
-    """(tighten at, loosen below, spread) for the TPOT level: ``tighten_at`` and
-    ``loosen_below``, both lowered in proportion where the windows' spread would put more
-    than 1 - ``attainment`` of them over the SLO at a level of ``tighten_at``. A window
-    reads the level x (1 + spread x Z), so at most 1 - attainment of them are over it at a
-    level of 1 / (1 + z x spread), z the normal's ``attainment`` quantile (live, windows at
-    one batch spread 8-14%, and a level of 91-97% put one in eight over)."""
-    cv = window_spread(state.spread)
-    if not (math.isfinite(cv) and cv > 0):
-        return policy.tighten_at, policy.loosen_below, cv
-    at = min(policy.tighten_at, 1 / (1 + _Z.inv_cdf(policy.attainment) * cv))
-    return at, policy.loosen_below * at / policy.tighten_at, cv
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,34 +222,6 @@ def decide(signals: Signals, state: State, policy: Policy) -> Decision:
     return replace(d, reason=d.reason + note, outliers=tuple(r for r, _ in slow))
 
 
-# A replica is an outlier when its p99 TPOT is this many times the median of the others',
-# over tighten_at of the SLO, on at least min_requests of its own requests.
-OUTLIER_RATIO = 1.5
-
-
-def outliers(o: Observation, policy: Policy) -> list[tuple[str, str]]:
-    """(replica, what to say) of each replica much slower than the others in the window."""
-    known = [(r, p99, n) for r, p99, n in o.replica_tpot if math.isfinite(p99)]
-    if len(known) < 2:
-        return []
-    out = []
-    for r, p99, n in known:
-        mid = statistics.median(x for rr, x, _ in known if rr != r)
-        if (
-            n >= policy.min_requests
-            and p99 >= policy.tighten_at * policy.slo.tpot_p99_s
-            and p99 >= OUTLIER_RATIO * mid
-        ):
-            out.append(
-                (
-                    r,
-                    f"replica {r} p99 TPOT {p99 * 1e3:.0f} ms, {p99 / mid:.1f}x the others' "
-                    f"{mid * 1e3:.0f} ms (a slow node or device? it is not averaged away)",
-                )
-            )
-    return out
-
-
 def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     o = signals.observation
     now = o.end_s
@@ -343,7 +282,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     )
     outcome = Outcome.VIOLATED if violated else Outcome.MET
     ttft_share, tpot_share = _share_of_slo(o, policy.slo)
-    binds = _holds_the_batch(o, cur)
+    binds = holds_the_batch(o, cur)
 
     # 2. the error budget burning: back to the last known-good knobs, latched
     burn = st.burn
@@ -403,7 +342,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             st = replace(st, bound_end_s=now)
     # the TPOT band, lowered where the windows' spread would put too many over the SLO
     tighten_tpot, loosen_tpot, spread = (
-        tpot_band(policy, st) if binds else (policy.tighten_at, policy.loosen_below, math.nan)
+        tpot_band(policy, st.spread)
+        if binds
+        else (policy.tighten_at, policy.loosen_below, math.nan)
     )
     steered = (tighten_tpot, loosen_tpot, window_spread(st.spread))
     band = (
@@ -427,7 +368,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         # cut of max_step brings the level under the band's floor. Where p99 hardly moves
         # with the batch, smaller batches keep the level and the spread, and cuts on them
         # ratchet down (a simulated day: B=66 -> 59 -> 53 -> 47 at 93-94% of the SLO)
-        run = _running_batch(o, cur.max_batch_size)
+        run = running_batch(o, cur.max_batch_size)
         low = max(policy.batch_min, math.ceil(run * (1 - policy.max_step)))
         p99 = mean_tpot * policy.slo.tpot_p99_s
         at_low = policy.predict_tpot_s(run, p99, low) / policy.slo.tpot_p99_s
@@ -538,7 +479,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # From the batch the replicas ran, when short of the limit: a cut from the
             # limit alone does not reach it for ticks (live, with ~20 running under B=32
             # the limit came down a tick at a time before TPOT moved)
-            run = _running_batch(o, b)
+            run = running_batch(o, b)
             nb = _step_down(run, policy)
             floor = min(nb, max(policy.batch_min, math.ceil(run * (1 - policy.max_step))))
             if math.isfinite(tpot_share) and tpot_share > 0:
@@ -567,13 +508,13 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
 
     # met, under tighten_at on both: a known-good point
     st = replace(st, last_good=cur)
-    queued = _queued(o, cur.max_batch_size)
+    demand = queued(o, cur.max_batch_size)
     calm = ttft_share <= policy.loosen_below and tpot_share <= loosen_tpot
     if st.degraded:
         return hold(
             outcome, f"met; degraded ({st.degraded}): holding {cur} until --ack", calm_since=None
         )
-    if not (calm and queued):
+    if not (calm and demand):
         why = (
             f"met (p99 TTFT {ttft_share:.0%}, TPOT {tpot_share:.0%} of the SLO) "
             + ("within the tolerance band" if not calm else "with no demand queueing at the limit")
@@ -619,77 +560,13 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
 
 def _shrinks_fleet(signals: Signals, cur: Knobs, new: Knobs) -> str:
     """Why raising the admission limit from ``cur`` to ``new`` would fight Serve's
-    autoscaler (empty when it would not): its target moves with the limit, so a higher
-    limit is a higher scaling point, and where the requests in flight would then fit on
-    fewer replicas, it removes some and the rest absorb their load (Dynamo's planner
-    swung 2 <-> 1 that way). Predicted with Serve's default policy, from the window's
-    running and waiting requests."""
-    sc, o = signals.scaling, signals.observation
-    if sc is None or not (sc.follows_admission and sc.default_policy):
-        return ""
-    if not (math.isfinite(o.running) and sc.current_replicas > 0):
-        return ""
-    total = o.running * sc.current_replicas + (o.waiting if math.isfinite(o.waiting) else 0.0)
-    target = sc.target_ongoing_requests * new.max_concurrency / cur.max_concurrency
-
-    def settles(t: float) -> int:
-        return predicted_replicas(
-            ongoing_total=total,
-            target=t,
-            min_replicas=sc.min_replicas,
-            max_replicas=sc.max_replicas,
-            current=sc.current_replicas,
-        )
-
-    after = settles(target)
-    if after >= min(sc.current_replicas, settles(sc.target_ongoing_requests)):
-        return ""  # the loosening itself removes none
-    return (
-        f"at {new} Serve's autoscaler would settle at {after} of {sc.current_replicas} "
-        f"replicas for the {total:.0f} requests in flight (target {target:.1f} a replica)"
+    autoscaler, from the window (controller/backends/serve_autoscaling.py); "" if not."""
+    o = signals.observation
+    return shrinks_fleet(
+        signals.scaling,
+        running=o.running,
+        waiting=o.waiting,
+        limit_from=cur.max_concurrency,
+        limit_to=new.max_concurrency,
+        what=str(new),
     )
-
-
-# The share of its limit a batch must run at, on average, for waiting requests to be
-# waiting for the limit: with continuous batching every arrival waits for a step to join,
-# so some always wait (live under B=32: 4 clients, 0-0.5 waiting on average; 20 clients,
-# 1.3-3.2 waiting beside 15-17 running).
-FULL_BATCH = 0.9
-
-
-def _queued(o: Observation, limit: int) -> bool:
-    """Demand beyond the limit: requests refused for want of room (not bad requests, which
-    more room would not serve), or waiting while the batch runs full (waiting alone counts
-    where the source has no running gauge)."""
-    if o.overloaded > 0:
-        return True
-    if not (math.isfinite(o.waiting) and o.waiting > 0):
-        return False
-    return not math.isfinite(o.running) or o.running >= FULL_BATCH * limit
-
-
-def _holds_the_batch(o: Observation, knobs: Knobs) -> bool:
-    """Whether the limit held the window's batch: it ran full (``FULL_BATCH`` of the limit),
-    or requests queued for it (waiting, with the admission limit at the batch limit and p99
-    TTFT judged over its SLO: live, 24 clients under B=15 ran 10-12 with about one waiting,
-    as requests came and went); or the source has no running gauge to tell."""
-    if not math.isfinite(o.running):
-        return True
-    if o.running >= FULL_BATCH * knobs.max_batch_size:
-        return True
-    ttft = o.ttft_verdict
-    return (
-        knobs.max_concurrency == knobs.max_batch_size
-        and math.isfinite(o.waiting)
-        and o.waiting > 0
-        and ttft is not None
-        and ttft.verdict is Verdict.VIOLATED
-    )
-
-
-def _running_batch(o: Observation, limit: int) -> int:
-    """The batch the replicas ran in the window: the mean running requests per replica,
-    rounded up, when the source has them and they are short of the limit; else the limit."""
-    if math.isfinite(o.running) and 0 < o.running < limit:
-        return max(1, math.ceil(o.running))
-    return limit

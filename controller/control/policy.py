@@ -7,6 +7,7 @@ controller/control/decide.py applies it a tick at a time.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,39 @@ class Policy:
         if len(self.curve) < 2:
             return p99_from * batch_to / batch_from
         return p99_from * _on_curve(self.curve, batch_to) / _on_curve(self.curve, batch_from)
+
+
+# The spread of p99 TPOT from window to window at unchanged knobs is read from the relative
+# differences of successive windows' shares there, both with the batch held by the limit:
+# the last SPREAD_PAIRS of them, and at least SPREAD_MIN before it moves the band.
+SPREAD_PAIRS = 24
+SPREAD_MIN = 4
+_Z = statistics.NormalDist()
+
+
+def window_spread(diffs: tuple[float, ...]) -> float:
+    """The windows' p99 TPOT spread (standard deviation over mean) from the relative
+    differences of successive windows at unchanged knobs: the median of their sizes over
+    0.674 x sqrt(2), the normal's quartile of a difference of two (a median, so one
+    difference across a change of load does not count); NaN with fewer than SPREAD_MIN."""
+    if len(diffs) < SPREAD_MIN:
+        return math.nan
+    return statistics.median(abs(d) for d in diffs) / (_Z.inv_cdf(0.75) * math.sqrt(2))
+
+
+def tpot_band(policy: Policy, diffs: tuple[float, ...]) -> tuple[float, float, float]:
+    """(tighten at, loosen below, spread) for the TPOT level: ``tighten_at`` and
+    ``loosen_below``, both lowered in proportion where the windows' spread would put more
+    than 1 - ``attainment`` of them over the SLO at a level of ``tighten_at``. A window
+    reads the level x (1 + spread x Z), so at most 1 - attainment of them are over it at a
+    level of 1 / (1 + z x spread), z the normal's ``attainment`` quantile (live, windows at
+    one batch spread 8-14%, and a level of 91-97% put one in eight over). ``diffs``: the
+    relative differences :func:`window_spread` reads."""
+    cv = window_spread(diffs)
+    if not (math.isfinite(cv) and cv > 0):
+        return policy.tighten_at, policy.loosen_below, cv
+    at = min(policy.tighten_at, 1 / (1 + _Z.inv_cdf(policy.attainment) * cv))
+    return at, policy.loosen_below * at / policy.tighten_at, cv
 
 
 def _on_curve(curve: tuple[tuple[int, float], ...], b: int) -> float:

@@ -222,7 +222,8 @@ class _Throttle:
 def test_a_slow_replica_is_named_not_averaged_away(two_replicas) -> None:
     """One of two replicas on a third of a CPU: the window read from Ray's metrics port
     holds each replica's p99 TPOT, and the tick names the slow one as an outlier."""
-    from controller.control.decide import OUTLIER_RATIO, Signals, State, decide
+    from controller.control.decide import Signals, State, decide
+    from controller.control.outliers import OUTLIER_RATIO
     from controller.control.policy import Policy
     from controller.targets import RequestShape, WindowPlan, measure_window
     from controller.tune_setup import make_reader

@@ -14,10 +14,8 @@ from controller.control.decide import (
     State,
     acknowledge,
     decide,
-    tpot_band,
-    window_spread,
 )
-from controller.control.policy import Policy
+from controller.control.policy import Policy, tpot_band, window_spread
 from metrics.observation import Observation, Slo, SloVerdict, Verdict
 from search.space import Knobs
 
@@ -324,15 +322,15 @@ def test_the_window_spread_is_read_from_successive_differences_robustly() -> Non
 
 
 def test_the_tpot_band_is_lowered_where_the_windows_spread_wide() -> None:
-    assert tpot_band(POLICY, State(knobs=K16))[:2] == (0.95, 0.9)  # no spread known yet
+    assert tpot_band(POLICY, ())[:2] == (0.95, 0.9)  # no spread known yet
     quiet = State(knobs=K16, spread=(0.02, -0.02, 0.02, -0.02))  # 2%: 95% leaves <5% over
-    assert tpot_band(POLICY, quiet)[:2] == (0.95, 0.9)
+    assert tpot_band(POLICY, quiet.spread)[:2] == (0.95, 0.9)
     wide = State(knobs=K16, spread=(0.1431, -0.1431, 0.1431, -0.1431))  # 15%
-    at, below, cv = tpot_band(POLICY, wide)
+    at, below, cv = tpot_band(POLICY, wide.spread)
     assert cv == pytest.approx(0.15, rel=1e-3)
     assert at == pytest.approx(1 / (1 + 1.6449 * 0.15), rel=1e-3)  # 80%: 5% of windows over
     assert below == pytest.approx(0.9 * at / 0.95)  # the band keeps its proportions
-    stricter = tpot_band(replace(POLICY, attainment=0.99), wide)[0]
+    stricter = tpot_band(replace(POLICY, attainment=0.99), wide.spread)[0]
     assert stricter == pytest.approx(1 / (1 + 2.3263 * 0.15), rel=1e-3)
 
 
@@ -348,7 +346,7 @@ def test_windows_that_spread_wide_tighten_at_a_lower_level() -> None:
             break
     assert i == 4 and len(st.spread) == 4  # held until four differences gave the spread
     assert d.action is Action.TIGHTEN and d.knobs.max_batch_size < 16, d.reason
-    assert d.tpot_band == tpot_band(POLICY, st)  # the band it steered by, for the exporter
+    assert d.tpot_band == tpot_band(POLICY, st.spread)  # the band it steered by, for the exporter
     assert d.tpot_band[0] < 0.8 and d.tpot_band[2] == pytest.approx(0.17, abs=0.01)
     assert all(map(math.isnan, tick(obs(100, n=5)).tpot_band))  # inconclusive: none read
     assert "TPOT band" in d.reason and "spread 17%" in d.reason, d.reason
@@ -411,7 +409,7 @@ def test_windows_that_spread_wide_loosen_only_under_the_lowered_band() -> None:
     low = obs(100, tpot=0.6, overloaded=20)
     d = decide(Signals(observation=low), State(knobs=K16, spread=wide), calm)
     assert d.action is Action.LOOSEN, d.reason
-    assert d.predicted_tpot_s <= tpot_band(calm, d.state)[1] * SLO.tpot_p99_s
+    assert d.predicted_tpot_s <= tpot_band(calm, d.state.spread)[1] * SLO.tpot_p99_s
 
 
 def test_the_lower_bound_holds_and_says_more_replicas_are_needed() -> None:
