@@ -262,6 +262,49 @@ def test_near_the_slo_is_judged_on_the_mean_of_the_windows_at_these_knobs() -> N
     assert tick(obs(400, tpot=0.96), late.state).action is Action.HOLD  # not newer: held
 
 
+def test_a_window_too_near_the_slo_to_call_joins_the_level_and_never_loosens() -> None:
+    """A window with its requests whose p99 verdict is left insufficient (its estimate too
+    near the SLO to call) is inconclusive, but its p99 joins the level, so the level is not
+    read from the windows either side of the band only; it may tighten on that level, and
+    never loosens nor raises the batch for queueing."""
+    undecided = dict(vp=Verdict.INSUFFICIENT)
+    met = tick(obs(100, tpot=0.93))
+    # the level 0.93, 0.99: 96% tightens, on the second window, itself undecided
+    d = tick(obs(200, tpot=0.99, **undecided), met.state)
+    assert (d.outcome, d.action) == (Outcome.INCONCLUSIVE, Action.TIGHTEN), d.reason
+    assert d.knobs == Knobs(max_batch_size=14, max_concurrency=14)
+    # a thin window (too few requests) still joins nothing: 0.93 and 0.93 around it hold
+    held = tick(obs(300, tpot=0.93), tick(obs(200, n=10), met.state).state)
+    assert held.action is Action.HOLD, held.reason
+    # alone it holds (one window is no level), and says where it stood
+    first = tick(obs(100, tpot=1.02, **undecided))
+    assert (first.outcome, first.action) == (Outcome.INCONCLUSIVE, Action.HOLD)
+    assert "p99 TPOT at 102% of its SLO, too near it to call" in first.reason
+    assert len(first.state.level) == 1
+    # a level in the band with demand queueing for longer than the stabilization window:
+    # undecided windows hold; the decided ones beside them loosen as before
+    calm = replace(POLICY, stabilization_s=0.0)
+    q = dict(tpot=0.5, ttft=0.97, vt=Verdict.INSUFFICIENT, waiting=4.0, running=16.0)
+    s = State(knobs=K16)
+    for end in (100, 200, 300):
+        d = decide(Signals(observation=obs(end, **q)), s, calm)
+        assert d.action is Action.HOLD and d.outcome is Outcome.INCONCLUSIVE, d.reason
+        s = d.state
+    # TTFT over at B=C with TPOT room is queueing for the batch, and a decided window raises
+    # the batch; an undecided one does not
+    ttft_hot = dict(tpot=0.5, ttft=0.99, vt=Verdict.INSUFFICIENT, running=16.0, waiting=4.0)
+    one = tick(obs(100, **ttft_hot), State(knobs=K16, spread=QUIET))
+    two = tick(obs(200, **ttft_hot), one.state)
+    assert two.action is Action.HOLD and "too near it to call" in two.reason, two.reason
+    decided = dict(ttft_hot, vt=Verdict.MET)
+    first_met = tick(obs(100, **decided), State(knobs=K16, spread=QUIET))
+    raised = tick(obs(200, **decided), first_met.state)
+    assert raised.action is Action.LOOSEN, raised.reason
+    # no estimate at all: inconclusive as before, and nothing joins the level
+    none = tick(obs(100, tpot=math.nan, **undecided))
+    assert none.action is Action.HOLD and none.state.level == ()
+
+
 def test_ttft_alone_sheds_at_the_door_and_never_shrinks_the_batch() -> None:
     k = Knobs(max_batch_size=16, max_concurrency=24)
     d = tick(obs(100, ttft=1.2), State(knobs=k))
