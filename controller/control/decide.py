@@ -49,7 +49,10 @@ What it does, in order:
    smaller batch would serve fewer and queue more: with the TPOT level of these knobs (the
    mean of ``near_windows`` or more) under ``loosen_below``, the batch goes up at once as far
    as the curve keeps TPOT under it; otherwise it holds (more replicas are needed). A TPOT
-   level over the band cuts the batch even while TTFT is over.
+   level over the band cuts the batch even while TTFT is over. A level (not a violated
+   window) holds where the batch ran more than ``max_step`` under its limit with nothing
+   queueing for it: the load holds the batch there, and a cut would shed it while the SLO
+   is met.
    **The TPOT band and the windows' spread**: where the limit holds the batch (it runs
    full, or requests queue for it), the spread of p99 TPOT from window to window at one
    batch is read from successive windows (policy.py: ``window_spread``). Where it would put more
@@ -386,6 +389,24 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     hot_tpot = o.tpot_verdict is not None and (violated_tpot or mean_tpot >= tighten_tpot)
     hot_ttft = violated_ttft or mean_ttft >= policy.tighten_at
     relief = ""
+    far = (
+        not binds
+        and math.isfinite(o.running)
+        and o.running < (1 - policy.max_step) * cur.max_batch_size
+    )
+    if hot_tpot and not violated_tpot and far:
+        # A level over the band with the batch running further under its limit than one
+        # cut of max_step, and no request queueing for it: the load (or the KV cache)
+        # holds the batch, not the limit, and
+        # p99 moves with the load. A cut there goes below what runs and sheds load while
+        # the SLO is met; a violated window still cuts (a simulated day: 93 running under
+        # B=157 at a level of 97% cut to B=92 and shed 2-4% of the requests for five hours,
+        # where a fixed B=152 kept every window of the day within the SLO)
+        hot_tpot = False
+        relief = (
+            f"; {o.running:.0f} ran under the limit of {cur.max_batch_size}: the load holds "
+            "the batch, and a cut would shed it with the SLO met (a violation still cuts)"
+        )
     if hot_tpot and not violated_tpot and mean_tpot < policy.tighten_at:
         # over the band only for the windows' spread: cut only where the curve predicts a
         # cut of max_step brings the level under the band's floor. Where p99 hardly moves

@@ -413,6 +413,33 @@ def test_windows_that_spread_wide_tighten_at_a_lower_level() -> None:
     assert moved.action is Action.TIGHTEN and moved.state.spread == st.spread
 
 
+def test_a_level_near_the_slo_with_the_batch_far_under_its_limit_holds() -> None:
+    """The batch ran more than max_step (25%) under its limit with nothing queueing for it:
+    the load holds the batch, and a cut on a level still under the SLO would shed it. It
+    holds there; a violated window still cuts, and so does the same level where the batch
+    ran within max_step of the limit or requests queued for it."""
+    k157 = Knobs(max_batch_size=157, max_concurrency=157)
+    wide = replace(POLICY, batch_max=400)
+
+    def run(shares, **kw):
+        st, d = State(knobs=k157, spread=QUIET), None
+        for i, share in enumerate(shares):
+            d = decide(Signals(observation=obs(100 + 60 * i, tpot=share, **kw)), st, wide)
+            st = d.state
+        return d
+
+    held = run([0.96, 0.97, 0.98], running=93.0, waiting=5.0)
+    assert held.action is Action.HOLD and held.knobs == k157, held.reason
+    assert "93 ran under the limit of 157: the load holds the batch" in held.reason
+    cut = run([0.96, 1.04], running=93.0, waiting=5.0)
+    assert cut.action is Action.TIGHTEN and cut.outcome is Outcome.VIOLATED, cut.reason
+    near = run([0.96, 0.97], running=120.0, waiting=5.0)  # within 25% of 157
+    assert near.action is Action.TIGHTEN, near.reason
+    queueing = run([0.96, 0.97], ttft=1.3, running=93.0, waiting=5.0)
+    assert queueing.action is Action.TIGHTEN and queueing.outcome is Outcome.VIOLATED
+    assert "p99 TPOT" in queueing.reason, queueing.reason
+
+
 def test_the_spread_is_read_and_steered_only_where_the_limit_holds_the_batch() -> None:
     """Windows whose batch the load holds under the limit move with the load, and the
     limit does not set their p99: their differences are not the spread, and the band stays
