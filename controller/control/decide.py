@@ -14,9 +14,9 @@ Each tick has one of three outcomes:
   once data returns. (Flagger counts no data as a failure and rolls a canary with no
   traffic back; Dynamo's planner reads NaN at zero traffic and never scales down: neither.)
   One kind is read, not dropped: a window with its requests whose p99 verdict is left
-  insufficient only because the estimate lies too near the SLO to call. Its p99 joins the
-  level of the knobs (3. below), the windows' spread and the burn, and the level may
-  tighten on it; it never loosens.
+  insufficient though its p99 is measured (it lies near the SLO, or the tail has too few
+  samples to bound). Its p99 joins the level of the knobs (3. below), the windows' spread
+  and the burn, and the level may tighten on it; it never loosens.
 - ``violated``: either p99 judged over its SLO.
 - ``met``: both judged within.
 
@@ -138,7 +138,7 @@ class State:
     # (window end, completed, missed the SLO) of the windows within the burn window
     burn: tuple[tuple[float, int, int], ...] = ()
     # (window end, p99 TTFT, p99 TPOT as shares of the SLO) of the windows judged at these
-    # knobs (conclusive, or too near the SLO to call) in the last stabilization_s (or
+    # knobs (conclusive, or undecided with a measured p99) in the last stabilization_s (or
     # near_windows windows' time, if longer): their mean is the level a near tightening reads
     level: tuple[tuple[float, float, float], ...] = ()
     # the relative differences of successive windows' p99 TPOT shares at unchanged knobs, the
@@ -206,9 +206,9 @@ def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
 
 def _undecided(o: Observation) -> tuple[str, bool]:
     """Why the window's p99 verdicts leave it undecided ("" when they do not), and whether
-    it is only too near an SLO to call: a verdict left insufficient on a window with its
-    requests (``min_requests`` or more) and a measured p99 on both sides. Such a window says
-    where the level is, if not on which side of the SLO."""
+    its p99s are measured all the same: a verdict left insufficient (the p99 near the SLO,
+    or too few samples in the tail to bound it) with an estimate on both sides. Such a
+    window says where the level is, if not on which side of the SLO."""
     verdicts = (o.ttft_verdict, o.tpot_verdict)
     if any(v is not None and v.verdict is Verdict.VIOLATED for v in verdicts):
         return "", False  # a violation judged on one side is conclusive whatever the other says
@@ -218,7 +218,7 @@ def _undecided(o: Observation) -> tuple[str, bool]:
             return f"p99 {name} not decided ({'no verdict' if v is None else 'no estimate'})", False
         if v.verdict is not Verdict.MET and not why:
             share = v.estimate_s / v.threshold_s
-            why = f"p99 {name} at {share:.0%} of its SLO, too near it to call"
+            why = f"p99 {name} at {share:.0%} of its SLO, undecided on {v.samples} samples"
     return why, bool(why)
 
 
@@ -293,20 +293,21 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         )
 
     why = _inconclusive_why(signals, st, policy)
-    undecided, near = ("", False) if why else _undecided(o)
-    if why or (undecided and not near):
+    undecided, measured = ("", False) if why else _undecided(o)
+    if why or (undecided and not measured):
         why = why or undecided
         return hold(Outcome.INCONCLUSIVE, f"inconclusive, holding {cur}: {why}", calm_since=None)
-    # A window too near an SLO to call is inconclusive, and yet its p99 is measured: it
-    # joins the level, the windows' spread and the burn below, and may tighten on them
-    # (the safe side), never loosen. Left out, the level read only the windows either side
-    # of the band: a simulated day at B=45 had 12 windows at 95-102% of the TPOT SLO
-    # undecided and dropped, its level read 91-93%, and the next window over was 103%.
+    # An undecided window whose p99s are measured is inconclusive, and yet it says where
+    # the level is: it joins the level, the windows' spread and the burn below, and may
+    # tighten on them (the safe side), never loosen. Left out, the level read only the
+    # windows either side of the band: a simulated day at B=45 had 12 windows at 95-102%
+    # of the TPOT SLO undecided and dropped, its level read 91-93%, and the next window
+    # over was 103%.
     st = replace(st, last_end_s=now)
     violated = any(
         v is not None and v.verdict is Verdict.VIOLATED for v in (o.ttft_verdict, o.tpot_verdict)
     )
-    outcome = Outcome.VIOLATED if violated else Outcome.INCONCLUSIVE if near else Outcome.MET
+    outcome = Outcome.VIOLATED if violated else Outcome.INCONCLUSIVE if undecided else Outcome.MET
     ttft_share, tpot_share = _share_of_slo(o, policy.slo)
     binds = holds_the_batch(o, cur)
 
@@ -426,8 +427,8 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         tpot_share = mean_tpot if hot_tpot else tpot_share
     if not violated_ttft:
         ttft_share = mean_ttft if hot_ttft else ttft_share
-    if near and not (hot_tpot or (hot_ttft and cur.max_concurrency > cur.max_batch_size)):
-        # too near to call, and no tightening on the level: hold (never loosen on it, nor
+    if undecided and not (hot_tpot or (hot_ttft and cur.max_concurrency > cur.max_batch_size)):
+        # undecided, and no tightening on the level: hold (never loosen on it, nor
         # raise the batch for queueing)
         level = (
             f"the level of {cur} is TTFT {mean_ttft:.0%}, TPOT {mean_tpot:.0%} of the SLO "

@@ -262,11 +262,11 @@ def test_near_the_slo_is_judged_on_the_mean_of_the_windows_at_these_knobs() -> N
     assert tick(obs(400, tpot=0.96), late.state).action is Action.HOLD  # not newer: held
 
 
-def test_a_window_too_near_the_slo_to_call_joins_the_level_and_never_loosens() -> None:
-    """A window with its requests whose p99 verdict is left insufficient (its estimate too
-    near the SLO to call) is inconclusive, but its p99 joins the level, so the level is not
-    read from the windows either side of the band only; it may tighten on that level, and
-    never loosens nor raises the batch for queueing."""
+def test_an_undecided_window_with_a_measured_p99_joins_the_level_and_never_loosens() -> None:
+    """A window with its requests whose p99 verdict is left insufficient (its estimate near
+    the SLO, or too few samples in the tail) is inconclusive, but its p99 joins the level,
+    so the level is not read from the windows either side of the band only; it may tighten
+    on that level, and never loosens nor raises the batch for queueing."""
     undecided = dict(vp=Verdict.INSUFFICIENT)
     met = tick(obs(100, tpot=0.93))
     # the level 0.93, 0.99: 96% tightens, on the second window, itself undecided
@@ -279,7 +279,7 @@ def test_a_window_too_near_the_slo_to_call_joins_the_level_and_never_loosens() -
     # alone it holds (one window is no level), and says where it stood
     first = tick(obs(100, tpot=1.02, **undecided))
     assert (first.outcome, first.action) == (Outcome.INCONCLUSIVE, Action.HOLD)
-    assert "p99 TPOT at 102% of its SLO, too near it to call" in first.reason
+    assert "p99 TPOT at 102% of its SLO, undecided on 500 samples" in first.reason
     assert len(first.state.level) == 1
     # a level in the band with demand queueing for longer than the stabilization window:
     # undecided windows hold; the decided ones beside them loosen as before
@@ -295,7 +295,7 @@ def test_a_window_too_near_the_slo_to_call_joins_the_level_and_never_loosens() -
     ttft_hot = dict(tpot=0.5, ttft=0.99, vt=Verdict.INSUFFICIENT, running=16.0, waiting=4.0)
     one = tick(obs(100, **ttft_hot), State(knobs=K16, spread=QUIET))
     two = tick(obs(200, **ttft_hot), one.state)
-    assert two.action is Action.HOLD and "too near it to call" in two.reason, two.reason
+    assert two.action is Action.HOLD and "undecided on" in two.reason, two.reason
     decided = dict(ttft_hot, vt=Verdict.MET)
     first_met = tick(obs(100, **decided), State(knobs=K16, spread=QUIET))
     raised = tick(obs(200, **decided), first_met.state)
