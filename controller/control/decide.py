@@ -83,7 +83,8 @@ from controller.backends.serve_autoscaling import Scaling, shrinks_fleet
 from controller.control.gauges import FULL_BATCH, holds_the_batch, queued, running_batch
 from controller.control.outliers import outliers
 from controller.control.policy import SPREAD_MIN, SPREAD_PAIRS, Policy, tpot_band, window_spread
-from metrics.observation import Observation, Slo, Verdict
+from controller.control.verdicts import left_undecided, share_of_slo
+from metrics.observation import Observation, Verdict
 from search.space import Knobs
 
 
@@ -204,32 +205,6 @@ def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
     return ""
 
 
-def _undecided(o: Observation) -> tuple[str, bool]:
-    """Why the window's p99 verdicts leave it undecided ("" when they do not), and whether
-    its p99s are measured all the same: a verdict left insufficient (the p99 near the SLO,
-    or too few samples in the tail to bound it) with an estimate on both sides. Such a
-    window says where the level is, if not on which side of the SLO."""
-    verdicts = (o.ttft_verdict, o.tpot_verdict)
-    if any(v is not None and v.verdict is Verdict.VIOLATED for v in verdicts):
-        return "", False  # a violation judged on one side is conclusive whatever the other says
-    why = ""
-    for name, v in zip(("TTFT", "TPOT"), verdicts, strict=True):
-        if v is None or not math.isfinite(v.estimate_s):
-            return f"p99 {name} not decided ({'no verdict' if v is None else 'no estimate'})", False
-        if v.verdict is not Verdict.MET and not why:
-            share = v.estimate_s / v.threshold_s
-            why = f"p99 {name} at {share:.0%} of its SLO, undecided on {v.samples} samples"
-    return why, bool(why)
-
-
-def _share_of_slo(o: Observation, slo: Slo) -> tuple[float, float]:
-    def share(v: object, bound: float) -> float:
-        est = getattr(v, "estimate_s", math.nan)
-        return est / bound if math.isfinite(est) else math.nan
-
-    return share(o.ttft_verdict, slo.ttft_p99_s), share(o.tpot_verdict, slo.tpot_p99_s)
-
-
 def decide(signals: Signals, state: State, policy: Policy) -> Decision:
     """The tick's outcome and action (see the module doc), with any outlier replica named
     in its reason: the decision itself is the fleet's, on the p99 across replicas."""
@@ -293,22 +268,20 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         )
 
     why = _inconclusive_why(signals, st, policy)
-    undecided, measured = ("", False) if why else _undecided(o)
+    undecided, measured = ("", False) if why else left_undecided(o)
     if why or (undecided and not measured):
         why = why or undecided
         return hold(Outcome.INCONCLUSIVE, f"inconclusive, holding {cur}: {why}", calm_since=None)
-    # An undecided window whose p99s are measured is inconclusive, and yet it says where
-    # the level is: it joins the level, the windows' spread and the burn below, and may
-    # tighten on them (the safe side), never loosen. Left out, the level read only the
-    # windows either side of the band: a simulated day at B=45 had 12 windows at 95-102%
-    # of the TPOT SLO undecided and dropped, its level read 91-93%, and the next window
-    # over was 103%.
+    # An undecided window with measured p99s joins the level, the spread and the burn, and
+    # may tighten on them, never loosen. Dropped, it left the level to the windows either
+    # side of the band (a simulated day dropped 12 windows at 95-102% of the TPOT SLO at
+    # B=45, read its level at 91-93%, and the next window was 103%).
     st = replace(st, last_end_s=now)
     violated = any(
         v is not None and v.verdict is Verdict.VIOLATED for v in (o.ttft_verdict, o.tpot_verdict)
     )
     outcome = Outcome.VIOLATED if violated else Outcome.INCONCLUSIVE if undecided else Outcome.MET
-    ttft_share, tpot_share = _share_of_slo(o, policy.slo)
+    ttft_share, tpot_share = share_of_slo(o, policy.slo)
     binds = holds_the_batch(o, cur)
 
     # 2. the error budget burning: back to the last known-good knobs, latched
@@ -396,13 +369,10 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         and o.running < (1 - policy.max_step) * cur.max_batch_size
     )
     if hot_tpot and not violated_tpot and far:
-        # A level over the band with the batch running further under its limit than one
-        # cut of max_step, and no request queueing for it: the load (or the KV cache)
-        # holds the batch, not the limit, and
-        # p99 moves with the load. A cut there goes below what runs and sheds load while
-        # the SLO is met; a violated window still cuts (a simulated day: 93 running under
-        # B=157 at a level of 97% cut to B=92 and shed 2-4% of the requests for five hours,
-        # where a fixed B=152 kept every window of the day within the SLO)
+        # the batch ran over max_step under its limit, nothing queueing for it: the load
+        # holds it, and a cut below what runs sheds requests with the SLO met (a simulated
+        # day: 93 ran under B=157 at a level of 97%; B=92 shed 2-4% of them for five hours,
+        # where a fixed B=152 kept every window within). A violated window still cuts.
         hot_tpot = False
         relief = (
             f"; {o.running:.0f} ran under the limit of {cur.max_batch_size}: the load holds "
@@ -428,8 +398,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     if not violated_ttft:
         ttft_share = mean_ttft if hot_ttft else ttft_share
     if undecided and not (hot_tpot or (hot_ttft and cur.max_concurrency > cur.max_batch_size)):
-        # undecided, and no tightening on the level: hold (never loosen on it, nor
-        # raise the batch for queueing)
+        # undecided, no tightening: hold (no loosening, no raise for queueing, on it)
         level = (
             f"the level of {cur} is TTFT {mean_ttft:.0%}, TPOT {mean_tpot:.0%} of the SLO "
             f"over {n} windows"
