@@ -195,10 +195,13 @@ def main() -> None:
 
 def summarise(rows, marks, plan, settle_s, slo) -> dict:
     """Windows within the TPOT SLO after each step's settling time, and changes per phase.
+    A window counts when its p99 TPOT was measured on ``Policy.min_requests`` or more
+    requests and its metrics were fresh, whatever the controller decided on it.
 
     A window is counted once no step of the load falls in [its start - settle_s, its end):
     one that straddles a step, or starts within settle_s after one, is still settling (it
     is attributed to neither load)."""
+    from controller.control.policy import Policy
 
     def phase_of(t: float) -> int:
         i = 0
@@ -220,7 +223,12 @@ def summarise(rows, marks, plan, settle_s, slo) -> dict:
         if r["from"] != r["to"] and r["applied"] or (r["dry_run"] and r["from"] != r["to"]):
             changes[phase_of(r["time_s"])] += 1  # the phase it was made in, not its window's
         tpot = o.get("tpot")
-        if r["outcome"] == "inconclusive" or tpot is None or tpot.get("p99_s") is None:
+        # every window with a measured p99 TPOT on enough requests for one, whatever the
+        # controller made of it: a window it could not call (inconclusive: its p99 near the
+        # SLO, or its tail thin) is still within the SLO or not, and leaving those out
+        # dropped the windows nearest the SLO from both variants' counts
+        thin = (o.get("completed") or 0) < Policy.min_requests if "completed" in o else False
+        if tpot is None or tpot.get("p99_s") is None or o.get("stale") or thin:
             continue
         ok = tpot["p99_s"] <= slo.tpot_p99_s
         for s, counts in by_settle.items():

@@ -32,3 +32,23 @@ def test_a_change_is_filed_under_the_phase_it_was_made_in() -> None:
     assert got["changes_per_phase"] == [0, 1]
     # the straddling window is settling, neither load's; the two before it count, both within
     assert (got["within_after_settle"], got["judged_after_settle"]) == (2, 2)
+
+
+def test_windows_count_on_their_measured_p99_whatever_the_controller_made_of_them() -> None:
+    # an inconclusive window (its p99 too near the SLO to call) still counts, over or under;
+    # one on too few requests for a p99, or read from stale metrics, does not
+    def undecided(start: float, end: float, p99: float, **o) -> dict:
+        r = row(start, end, p99)
+        r["outcome"] = "inconclusive"
+        r["observation"].update(o)
+        return r
+
+    rows = [
+        undecided(20, 50, 0.102, completed=300),
+        undecided(50, 80, 0.098, completed=300),
+        undecided(120, 150, 0.2, completed=40),
+        undecided(150, 180, 0.2, completed=300, stale=True),
+        row(180, 200, 0.05),
+    ]
+    got = summarise(rows, MARKS, PLAN, 20.0, SLO)
+    assert (got["within_after_settle"], got["judged_after_settle"]) == (2, 3)
