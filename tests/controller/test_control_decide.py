@@ -281,8 +281,8 @@ def test_an_undecided_window_with_a_measured_p99_joins_the_level_and_never_loose
     assert (first.outcome, first.action) == (Outcome.INCONCLUSIVE, Action.HOLD)
     assert "p99 TPOT at 102% of its SLO, undecided on 500 samples" in first.reason
     assert len(first.state.level) == 1
-    # a level in the band with demand queueing for longer than the stabilization window:
-    # undecided windows hold; the decided ones beside them loosen as before
+    # calm, with demand queueing for longer than the stabilization window: undecided
+    # windows hold (a decided window would loosen: test_waiting_requests_...)
     calm = replace(POLICY, stabilization_s=0.0)
     q = dict(tpot=0.5, ttft=0.97, vt=Verdict.INSUFFICIENT, waiting=4.0, running=16.0)
     s = State(knobs=K16)
