@@ -195,12 +195,11 @@ def main() -> None:
 
 def summarise(rows, marks, plan, settle_s, slo) -> dict:
     """Windows within the TPOT SLO after each step's settling time, and changes per phase.
-    A window counts when its p99 TPOT was measured on ``Policy.min_requests`` or more
-    requests and its metrics were fresh, whatever the controller decided on it.
 
-    A window is counted once no step of the load falls in [its start - settle_s, its end):
-    one that straddles a step, or starts within settle_s after one, is still settling (it
-    is attributed to neither load)."""
+    A window counts when its p99 TPOT was measured on ``Policy.min_requests`` or more
+    requests from fresh metrics, whatever the controller decided on it, and no step of the
+    load falls in [its start - settle_s, its end): one that straddles a step, or starts
+    within settle_s after one, is still settling (it is attributed to neither load)."""
     from controller.control.policy import Policy
 
     def phase_of(t: float) -> int:
@@ -227,7 +226,7 @@ def summarise(rows, marks, plan, settle_s, slo) -> dict:
         # controller made of it: a window it could not call (inconclusive: its p99 near the
         # SLO, or its tail thin) is still within the SLO or not, and leaving those out
         # dropped the windows nearest the SLO from both variants' counts
-        thin = (o.get("completed") or 0) < Policy.min_requests if "completed" in o else False
+        thin = "completed" in o and (o["completed"] or 0) < Policy.min_requests
         if tpot is None or tpot.get("p99_s") is None or o.get("stale") or thin:
             continue
         ok = tpot["p99_s"] <= slo.tpot_p99_s
