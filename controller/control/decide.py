@@ -80,9 +80,10 @@ import math
 from dataclasses import dataclass, replace
 
 from controller.backends.serve_autoscaling import Scaling, shrinks_fleet
-from controller.control.gauges import FULL_BATCH, holds_the_batch, queued, running_batch
+from controller.control.gauges import holds_the_batch, queued, running_batch
 from controller.control.outliers import outliers
 from controller.control.policy import SPREAD_MIN, SPREAD_PAIRS, Policy, tpot_band, window_spread
+from controller.control.steps import cut_to, loosen_to, step_down
 from controller.control.verdicts import left_undecided, share_of_slo
 from metrics.observation import Observation, Verdict
 from search.space import Knobs
@@ -102,27 +103,11 @@ class Action(str, enum.Enum):
     PAUSE = "pause"
 
 
-def _loosen_to(b: int, p99: float, policy: Policy, below: float, *, top: int | None = None) -> int:
-    """The largest batch above ``b``, up to ``top`` and by at most ``max_step``, whose p99
-    TPOT the curve predicts under ``below`` of the SLO from ``p99`` at ``b``; ``b`` when
-    none is."""
-    hi = max(b + 1, math.floor(b * (1 + policy.max_step)))
-    hi = min(policy.batch_max, hi if top is None else min(hi, top))
-    goal = below * policy.slo.tpot_p99_s
-    return next((x for x in range(hi, b, -1) if policy.predict_tpot_s(b, p99, x) <= goal), b)
-
-
 def _below(a: Knobs, b: Knobs) -> bool:
     """``a`` admits no more than ``b`` on either limit, and less on one."""
     return (
         a.max_batch_size <= b.max_batch_size and a.max_concurrency <= b.max_concurrency and a != b
     )
-
-
-def _step_down(x: int, policy: Policy) -> int:
-    """``x`` x ``decrease``, by at most ``max_step`` of it and at least 1."""
-    bounded = max(math.floor(x * policy.decrease), math.ceil(x * (1 - policy.max_step)))
-    return min(x - 1, bounded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -478,7 +463,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # pooled from here where this window's TPOT is known; without it, no raise on
             # the older windows alone
             if math.isfinite(tpot_share) and mean_tpot <= loosen_tpot and not rolled_back:
-                nb = _loosen_to(b, p99, policy, loosen_tpot)
+                nb = loosen_to(b, p99, policy, loosen_tpot)
                 why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
                 if nb > b and not why:
                     new = policy.knobs(nb)
@@ -497,30 +482,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
                 calm_since=None,
             )
         if not hot_tpot:  # TTFT alone: shed at the door
-            new = Knobs(max_batch_size=b, max_concurrency=max(b, _step_down(c, policy)))
+            new = Knobs(max_batch_size=b, max_concurrency=max(b, step_down(c, policy)))
         else:
-            # x decrease, or deeper for a large overshoot: as far as p99 in proportion to
-            # the batch (the steepest a decode step grows) would take it under loosen_below,
-            # by at most max_step. Not by the canary's curve: measured under another load,
-            # it is flatter than the hour's, and cuts taken from it overshot (a simulated
-            # day lost 4-9% of goodput that way)
-            # From the batch the replicas ran, when short of the limit: a cut from the
-            # limit alone does not reach it for ticks (live, with ~20 running under B=32
-            # the limit came down a tick at a time before TPOT moved)
-            run = running_batch(o, b)
-            nb = _step_down(run, policy)
-            floor = min(nb, max(policy.batch_min, math.ceil(run * (1 - policy.max_step))))
-            if math.isfinite(tpot_share) and tpot_share > 0:
-                nb = max(floor, min(nb, math.floor(run * loosen_tpot / tpot_share)))
-            if run < b:
-                # nb is the batch to run, and a limit that binds runs only a share of
-                # itself (arrivals wait a step to join): what ran, where the limit bound,
-                # else FULL_BATCH. The limit that runs nb is nb / that share. A limit of
-                # nb itself cut ~10% deeper than meant (a simulated day's 100.5% window
-                # took 67 running to 55, and the flat curve never let it back)
-                fill = max(FULL_BATCH, o.running / b)
-                nb = min(b - 1, math.floor(nb / fill))
-            new = policy.knobs(max(policy.batch_min, nb))
+            new = policy.knobs(cut_to(o, b, policy, tpot_share, loosen_tpot))
         what = "TPOT" if hot_tpot else "TTFT"
         share = tpot_share if hot_tpot else ttft_share
         at = tighten_tpot if hot_tpot else policy.tighten_at
@@ -565,7 +529,7 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
     p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # MET: a finite estimate
     step = max(policy.increase, round(b * policy.increase_share))
-    nb = _loosen_to(b, p99, policy, loosen_tpot, top=b + step)
+    nb = loosen_to(b, p99, policy, loosen_tpot, top=b + step)
     if nb == b:
         predicted = policy.predict_tpot_s(b, p99, b + 1)
         return hold(
