@@ -39,13 +39,10 @@ What it does, in order:
    the last ``stabilization_s``, once there are ``near_windows`` of them (one window alone
    is within the noise of a p99 near the operating point, and a window under it does not
    undo the ones over: two in a row over 95% ratcheted a simulated day's batch down where
-   p99 hardly moved with it). TPOT trouble lowers the batch limit
-   (x ``decrease``, at least 1; deeper, by at most ``max_step``, where p99 in proportion to
-   the batch would stay over ``loosen_below``; of the batch that ran when that was short
-   of the limit, and set where a binding limit would run that batch, since it runs only
-   ``FULL_BATCH`` of itself or so) and the admission limit with it
-   at the same headroom; TTFT trouble alone lowers the admission limit toward the batch
-   limit (shedding at the door). Once they meet, TTFT is queueing for the batch, and a
+   p99 hardly moved with it). TPOT trouble lowers the batch limit (by ``decrease`` or
+   deeper, from the batch that ran: controller/control/steps.py) and the admission limit
+   with it at the same headroom; TTFT trouble alone lowers the admission limit toward the
+   batch limit (shedding at the door). Once they meet, TTFT is queueing for the batch, and a
    smaller batch would serve fewer and queue more: with the TPOT level of these knobs (the
    mean of ``near_windows`` or more) under ``loosen_below``, the batch goes up at once as far
    as the curve keeps TPOT under it; otherwise it holds (more replicas are needed). A TPOT
@@ -68,7 +65,10 @@ What it does, in order:
    the batch each tick the calm lasts, to no batch whose p99 TPOT the curve predicts over
    the TPOT band's ``loosen_below`` of the SLO (so a loosening stops short of the
    tightening threshold: no limit cycle). (HPA keeps the highest recommendation of the
-   last 300 s before scaling down; AIMD adds 1 and multiplies by 0.9.)
+   last 300 s before scaling down; AIMD adds 1 and multiplies by 0.9.) A raise, this or a
+   queueing one, is on trial until its level is pooled: a window over the TPOT band before
+   that goes back to the knobs before it, and no raise reaches that batch for
+   ``stabilization_s``.
 5. Otherwise **hold** (within the tolerance band between ``loosen_below`` and
    ``tighten_at``, or met without queueing: more room would not be used).
 """
@@ -83,7 +83,7 @@ from controller.backends.serve_autoscaling import Scaling, shrinks_fleet
 from controller.control.gauges import holds_the_batch, queued, running_batch
 from controller.control.outliers import outliers
 from controller.control.policy import SPREAD_MIN, SPREAD_PAIRS, Policy, tpot_band, window_spread
-from controller.control.steps import cut_to, loosen_to, step_down
+from controller.control.steps import cut_to, loosen_to, raise_cap, step_down
 from controller.control.verdicts import left_undecided, share_of_slo
 from metrics.observation import Observation, Verdict
 from search.space import Knobs
@@ -131,6 +131,11 @@ class State:
     # last SPREAD_PAIRS: the windows' spread, which sets the TPOT band (tpot_band)
     spread: tuple[float, ...] = ()
     bound_end_s: float = -math.inf  # the end of the newest window its limit held the batch in
+    # the knobs before the last raise, while the raise is on trial (until near_windows windows
+    # at the raised knobs give their level), and (batch, until when) no raise may reach: a
+    # raise whose trial read over the TPOT band
+    raised_from: Knobs | None = None
+    ceiling: tuple[int, float] | None = None
     ticks: int = 0
     holds: int = 0
     rollbacks: int = 0
@@ -172,7 +177,15 @@ def acknowledge(state: State, live: Knobs | None) -> State:
     drift pause); loosening waits a fresh stabilization window."""
     knobs = live or state.knobs
     level = state.level if knobs == state.knobs else ()  # other knobs: no window at them yet
-    return replace(state, degraded="", rolled_back=False, knobs=knobs, calm_since=None, level=level)
+    return replace(
+        state,
+        degraded="",
+        rolled_back=False,
+        knobs=knobs,
+        calm_since=None,
+        level=level,
+        raised_from=None if knobs != state.knobs else state.raised_from,
+    )
 
 
 def _inconclusive_why(sig: Signals, state: State, policy: Policy) -> str:
@@ -223,7 +236,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         predicted: float = math.nan,
         **kw: object,
     ) -> Decision:
-        # new knobs: their level starts afresh, no window judged at them yet
+        # new knobs: their level starts afresh, no window judged at them yet; a raise is on
+        # trial until it has one
+        kw.setdefault("raised_from", cur if action is Action.LOOSEN else None)
         s = replace(st, knobs=new, last_change_s=now, level=(), **kw)  # type: ignore[arg-type]
         return Decision(
             outcome=outcome,
@@ -341,6 +356,24 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     pooled = n >= policy.near_windows
     mean_ttft = sum(x[1] for x in st.level) / n if pooled else math.nan
     mean_tpot = sum(x[2] for x in st.level) / n if pooled else math.nan
+    # A raise on trial: a window at the raised knobs over the TPOT band before their level is
+    # pooled goes back to the knobs before it at once, and no raise reaches that batch for
+    # stabilization_s. The raise was predicted under the band's floor from a level measured a
+    # tick ago; reading over its top, the prediction missed, and waiting for the level cost
+    # a second window over (live, B=20 -> 23 was predicted at 88 ms and read 101 and 110 ms)
+    raised = st.raised_from
+    if raised is not None and (pooled or not _below(raised, cur)):
+        st = replace(st, raised_from=None)
+    elif raised is not None and math.isfinite(tpot_share) and tpot_share >= tighten_tpot:
+        why = (
+            f"p99 TPOT at {tpot_share:.0%} of its SLO at {cur} on trial after the raise from "
+            f"{raised} (tighten at {tighten_tpot:.0%}{band}): back to {raised}, and no raise "
+            f"to B={cur.max_batch_size} for {policy.stabilization_s:g} s"
+        )
+        ceiling = (cur.max_batch_size, now + policy.stabilization_s)
+        return change(outcome, Action.TIGHTEN, raised, why, calm_since=None, ceiling=ceiling)
+    st = st if st.ceiling is None or now < st.ceiling[1] else replace(st, ceiling=None)
+    cap, capped = raise_cap(st.ceiling, cur.max_batch_size)
     # TPOT near the SLO tightens even while TTFT is judged over from queueing: at a level
     # over the band, that many windows would be over the TPOT SLO (live, at B=15-16 under
     # 24 clients the windows read 84-115 ms at a level of 91-97% while a rule that left TPOT
@@ -463,8 +496,8 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
             # pooled from here where this window's TPOT is known; without it, no raise on
             # the older windows alone
             if math.isfinite(tpot_share) and mean_tpot <= loosen_tpot and not rolled_back:
-                nb = loosen_to(b, p99, policy, loosen_tpot)
-                why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else ""
+                nb = loosen_to(b, p99, policy, loosen_tpot, top=cap)
+                why = _shrinks_fleet(signals, cur, policy.knobs(nb)) if nb > b else capped
                 if nb > b and not why:
                     new = policy.knobs(nb)
                     predicted = policy.predict_tpot_s(b, p99, nb)
@@ -529,7 +562,9 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         return hold(outcome, f"room to grow but {cur} is the upper bound: holding")
     p99 = o.tpot_verdict.estimate_s  # type: ignore[union-attr]  # MET: a finite estimate
     step = max(policy.increase, round(b * policy.increase_share))
-    nb = loosen_to(b, p99, policy, loosen_tpot, top=b + step)
+    nb = loosen_to(b, p99, policy, loosen_tpot, top=b + step if cap is None else min(cap, b + step))
+    if nb == b and capped:
+        return hold(outcome, f"room to grow, but {capped}: holding {cur}")
     if nb == b:
         predicted = policy.predict_tpot_s(b, p99, b + 1)
         return hold(

@@ -1,7 +1,7 @@
 """How far one tick moves the batch limit, once controller/control/decide.py has decided
 that it moves: a cut sized from the batch that ran, a raise topped by the curve's
-prediction, and the multiplicative step down both start from. Pure arithmetic on the
-policy and the window's gauges.
+prediction and by the batch a raise on trial read over the band at, and the multiplicative
+step down. Pure arithmetic on the policy and the window's gauges.
 """
 
 from __future__ import annotations
@@ -27,6 +27,18 @@ def loosen_to(b: int, p99: float, policy: Policy, below: float, *, top: int | No
     hi = min(policy.batch_max, hi if top is None else min(hi, top))
     goal = below * policy.slo.tpot_p99_s
     return next((x for x in range(hi, b, -1) if policy.predict_tpot_s(b, p99, x) <= goal), b)
+
+
+def raise_cap(ceiling: tuple[int, float] | None, b: int) -> tuple[int | None, str]:
+    """The largest batch a raise may reach under ``ceiling`` (the batch a raise on trial read
+    over the TPOT band at, and until when), or None without one; and, where that leaves no
+    room above ``b``, why a raise holds ("" where it does not)."""
+    if ceiling is None:
+        return None, ""
+    cap = ceiling[0] - 1
+    if cap > b:
+        return cap, ""
+    return cap, f"B={cap + 1} read over the TPOT band on trial after a raise: no raise to it yet"
 
 
 def cut_to(o: Observation, b: int, policy: Policy, share: float, below: float) -> int:

@@ -355,6 +355,53 @@ def test_queueing_raises_the_batch_on_the_level_not_on_one_low_window() -> None:
     assert tick(obs(220, ttft=1.5, tpot=0.6), low).action is Action.LOOSEN  # with one: up
 
 
+def test_a_raise_that_reads_over_the_band_on_trial_goes_back_and_caps_the_next() -> None:
+    # queueing at B=16 with TPOT at 60%: up to 20, predicted at 75%
+    st = tick(obs(100, ttft=1.5, tpot=0.6), State(knobs=K16, spread=QUIET)).state
+    up = tick(obs(160, ttft=1.5, tpot=0.6), st)
+    k20 = Knobs(max_batch_size=20, max_concurrency=20)
+    assert up.action is Action.LOOSEN and up.knobs == k20, up.reason
+    assert up.state.raised_from == K16
+    # the first window at B=20 reads 97%: met, under the SLO, but over the band's top (95%)
+    # the raise was predicted well under. Back to B=16 at once, not a second window over
+    back = tick(obs(220, ttft=1.5, tpot=0.97), up.state)
+    assert (back.action, back.knobs) == (Action.TIGHTEN, K16), back.reason
+    assert "on trial after the raise from" in back.reason and back.state.raised_from is None
+    assert back.state.ceiling == (20, 220 + POLICY.stabilization_s)
+    # queueing again at B=16 at 60%: the raise stops under the batch that read over
+    st = tick(obs(280, ttft=1.5, tpot=0.6), back.state).state
+    again = tick(obs(340, ttft=1.5, tpot=0.6), st)
+    assert again.action is Action.LOOSEN and again.knobs.max_batch_size == 19, again.reason
+    # ... at the cap, it holds and says why; once the ceiling's time is over, past it
+    at19 = replace(again.state, raised_from=None, level=((340, 1.5, 0.6),))
+    held = tick(obs(400, ttft=1.5, tpot=0.6), at19)
+    assert held.action is Action.HOLD and "no raise to it yet" in held.reason, held.reason
+    later = replace(held.state, level=((600, 1.5, 0.6),), last_end_s=600)
+    d = tick(obs(660, ttft=1.5, tpot=0.6), later)
+    assert d.action is Action.LOOSEN and d.knobs.max_batch_size > 20 and d.state.ceiling is None
+    # a window on trial within the band keeps the raise; the next one pools the level, and
+    # from there the level decides (95% + 97% pooled is 96%: a near tightening, not a return)
+    kept = tick(obs(220, ttft=1.5, tpot=0.93), up.state)
+    assert kept.action is Action.HOLD and kept.state.raised_from == K16, kept.reason
+    pooled = tick(obs(280, ttft=1.5, tpot=0.99), kept.state)
+    assert pooled.action is Action.TIGHTEN and "on trial" not in pooled.reason, pooled.reason
+    # a tightening is never on trial: a window over the band after a cut is the level's
+    cut = tick(obs(100, tpot=1.3), State(knobs=K16))
+    assert cut.action is Action.TIGHTEN and cut.state.raised_from is None
+    after = tick(obs(160, tpot=0.97), cut.state)
+    assert after.action is Action.HOLD, after.reason
+
+
+def test_a_calm_loosening_stops_under_a_batch_that_read_over_on_trial() -> None:
+    calm = replace(POLICY, stabilization_s=0.0)
+    capped = State(knobs=K16, ceiling=(17, 1000.0))
+    d = decide(Signals(observation=obs(100, tpot=0.5, overloaded=5)), capped, calm)
+    assert d.action is Action.HOLD and "no raise to it yet" in d.reason, d.reason
+    d = decide(Signals(observation=obs(1100, tpot=0.5, overloaded=5)), capped, calm)
+    assert d.action is Action.LOOSEN and d.knobs.max_batch_size == 17, d.reason
+    assert d.state.raised_from == K16 and d.state.ceiling is None
+
+
 def test_the_window_spread_is_read_from_successive_differences_robustly() -> None:
     assert math.isnan(window_spread((0.1, -0.1, 0.1)))  # too few differences to read it
     # differences of two windows spread 10% each are spread 10% x sqrt(2): their median

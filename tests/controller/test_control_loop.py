@@ -267,6 +267,13 @@ def test_the_knobs_level_is_saved_with_the_state(tmp_path) -> None:
     assert load_state(tmp_path / "state.json") == state
 
 
+def test_a_raise_on_trial_and_its_ceiling_are_saved_with_the_state(tmp_path) -> None:
+    k20 = Knobs(max_batch_size=20, max_concurrency=20)
+    for st in (State(knobs=k20, raised_from=K16), State(knobs=K16, ceiling=(20, 1234.5))):
+        save_state(st, tmp_path / "state.json")
+        assert load_state(tmp_path / "state.json") == st
+
+
 def test_every_tick_is_audited_saved_and_exported(tmp_path) -> None:
     act = FakeActuator(K16)
     exp = ControllerExporter()
