@@ -36,9 +36,8 @@ def raise_cap(ceiling: tuple[int, float] | None, b: int) -> tuple[int | None, st
     if ceiling is None:
         return None, ""
     cap = ceiling[0] - 1
-    if cap > b:
-        return cap, ""
-    return cap, f"B={cap + 1} read over the TPOT band on trial after a raise: no raise to it yet"
+    why = f"B={cap + 1} read over the TPOT band on trial after a raise: no raise to it yet"
+    return cap, why if cap <= b else ""
 
 
 def cut_to(o: Observation, b: int, policy: Policy, share: float, below: float) -> int:

@@ -1,7 +1,6 @@
 """What a window's p99 verdicts say about the SLO: its p99s as shares of it, and whether a
 window they leave undecided measured them all the same. Pure; controller/control/decide.py
-judges a window on them, and controller/control/steps.py sizes its cuts on
-controller/control/gauges.py.
+judges a window on them, beside what controller/control/gauges.py reads from its gauges.
 """
 
 from __future__ import annotations
