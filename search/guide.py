@@ -34,10 +34,9 @@ class Guide:
     # Below the smallest measured batch, assume p99 TPOT falls at least like B**this (the
     # peak roofline is flat there, and would send a small overshoot far down).
     min_elasticity: float = 0.5
-    # Below the smallest measured batch b0 the correction is extrapolated: aim lower there,
-    # by this fraction per unit of ln(b0/B), down to ``min_aim_factor`` of the aim.
-    extrapolation_discount: float = 0.25
-    min_aim_factor: float = 0.6
+    # From one measured batch b0 the TPOT model's batch B_m below it is a one-point
+    # extrapolation whose error grows with its distance: step to b0·(B_m/b0)**(1 + this).
+    extrapolation_spread: float = 0.4
 
     def __post_init__(self) -> None:
         for name in ("aim", "ttft_aim"):
@@ -46,12 +45,10 @@ class Guide:
                 raise ValueError(f"{name}={v!r}: must be in (0, 1]")
         if self.max_steps < 0:
             raise ValueError(f"max_steps={self.max_steps!r}: must be >= 0")
-        if not (math.isfinite(self.extrapolation_discount) and self.extrapolation_discount >= 0):
+        if not (math.isfinite(self.extrapolation_spread) and self.extrapolation_spread >= 0):
             raise ValueError(
-                f"extrapolation_discount={self.extrapolation_discount!r}: must be a number >= 0"
+                f"extrapolation_spread={self.extrapolation_spread!r}: must be a number >= 0"
             )
-        if not 0 < self.min_aim_factor <= 1:
-            raise ValueError(f"min_aim_factor={self.min_aim_factor!r}: must be in (0, 1]")
         if not 0 <= self.min_elasticity <= 1:
             raise ValueError(f"min_elasticity={self.min_elasticity!r}: must be in [0, 1]")
         if not (math.isfinite(self.max_step_down) and self.max_step_down > 1):
@@ -104,42 +101,32 @@ class Guide:
 
         return tpot
 
-    def aim_at(self, points: Sequence[PointSummary]) -> Callable[[int], float]:
-        """The TPOT aim at batch B (a fraction of the SLO): ``aim``, lowered below the
-        smallest measured batch ``b0`` by ``extrapolation_discount`` per unit of
-        ``ln(b0/B)``, to no less than ``min_aim_factor·aim``."""
-        measured = [
+    def _tpot_batch(
+        self, points: Sequence[PointSummary], lo: int, hi: int, aim: float | None = None
+    ) -> int:
+        """Largest batch in [lo, hi] whose corrected TPOT meets ``aim · SLO`` (default
+        :attr:`aim`); ``lo`` when none does."""
+        tpot = self.predict_tpot(points)
+        goal = (self.aim if aim is None else aim) * self.slo.tpot_p99_s
+        best = lo
+        for b in _log_candidates(lo, hi):
+            if tpot(b) <= goal:
+                best = max(best, b)
+        return best
+
+    def step_from_one(self, points: Sequence[PointSummary], b: int) -> int:
+        """``b``, the TPOT model's batch, moved further from the measured batch ``b0`` by
+        :attr:`extrapolation_spread` in log scale when ``b0`` is the only batch measured and
+        ``b`` lies below it; ``b`` otherwise."""
+        measured = {
             p.knobs.max_batch_size
             for p in points
             if math.isfinite(p.tpot_p99_s) and p.tpot_p99_s > 0
-        ]
-        b0 = min(measured, default=None)
-        single = len(set(measured)) == 1
-
-        def aim(b: int) -> float:
-            if b0 is None or b >= b0 or not single:
-                return self.aim
-            f = 1.0 - self.extrapolation_discount * math.log(b0 / b)
-            return self.aim * max(self.min_aim_factor, f)
-
-        return aim
-
-    def _tpot_batch(
-        self,
-        points: Sequence[PointSummary],
-        lo: int,
-        hi: int,
-        aim: Callable[[int], float] | None = None,
-    ) -> int:
-        """Largest batch in [lo, hi] whose corrected TPOT meets ``aim(B) · SLO`` (default
-        :meth:`aim_at`); ``lo`` when none does."""
-        tpot = self.predict_tpot(points)
-        aim = aim or self.aim_at(points)
-        best = lo
-        for b in _log_candidates(lo, hi):
-            if tpot(b) <= aim(b) * self.slo.tpot_p99_s:
-                best = max(best, b)
-        return best
+        }
+        if len(measured) != 1 or b >= (b0 := min(measured)):
+            return b
+        moved = math.floor(b0 * (b / b0) ** (1.0 + self.extrapolation_spread))
+        return max(self.space.batch_min, moved)
 
     def _ttft_batch(
         self, points: Sequence[PointSummary], lo: int, hi: int, aim: float | None = None
@@ -183,7 +170,7 @@ class Guide:
             return math.nan
         lo, hi = self.space.batch_min, self.space.batch_max
         tpot = self.predict_tpot(points)
-        bm = self._tpot_batch(points, lo, hi, aim=lambda b: 1.0)
+        bm = self._tpot_batch(points, lo, hi, aim=1.0)
         bm = min(bm, self._ttft_batch(points, lo, hi, aim=1.0))
         tf, tm = tpot(bf), tpot(bm)
         if bm <= bf or not (tf > 0 and tm > 0):
@@ -230,7 +217,8 @@ class Guide:
         lo0, hi0 = self.space.batch_min, self.space.batch_max
         feas, over = self.bracket(points)
         hi = hi0 if over is None else max(lo0, over - 1)
-        model = min(self._tpot_batch(points, lo0, hi), self._ttft_batch(points, lo0, hi))
+        tpot_b = self.step_from_one(points, self._tpot_batch(points, lo0, hi))
+        model = min(tpot_b, self._ttft_batch(points, lo0, hi))
         if feas is not None and over is not None:
             if over <= feas + 1 or over <= feas * (1 + self.resolution):
                 return None

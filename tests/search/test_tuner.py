@@ -208,7 +208,7 @@ def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
         slo=SLO,
         aim=1.0,
         ttft_aim=1.0,
-        extrapolation_discount=0.0,
+        extrapolation_spread=0.0,
     )
     # Measured at B=70: 2x the model. Constant factor 2 -> 2 (0.008 + 0.0006 b) <= 0.05.
     pts = [_over(70, 2 * model_tpot(70))]
@@ -217,21 +217,21 @@ def test_guide_corrects_the_roofline_by_the_measured_factor() -> None:
     assert guide.target_batch(pts) == 28
 
 
-def test_guide_aims_lower_when_it_extrapolates_from_one_batch() -> None:
-    """From a single measured batch the aim below it falls by 0.25 per unit of ln(b0/B),
-    floored at 0.6 of the aim: 2x over at B=70 leads to 11 (2 (0.008 + 0.0006 B) <=
-    0.6 * 0.05), not to the undiscounted 28; a second measured batch ends the discount."""
+def test_guide_steps_further_when_it_extrapolates_from_one_batch() -> None:
+    """From a single measured batch the TPOT model's batch below it is moved further in log
+    scale by ``extrapolation_spread`` (0.4): 2x over at B=70, the model's 28 becomes
+    floor(70 (28/70)**1.4) = 19; a second measured batch ends it."""
     guide = Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, aim=1.0, ttft_aim=1.0)
     pts = [_over(70, 2 * model_tpot(70))]
-    aim = guide.aim_at(pts)
-    assert aim(70) == aim(100) == 1.0
-    assert aim(35) == pytest.approx(1 - 0.25 * math.log(2))
-    assert aim(5) == pytest.approx(0.6)
-    assert guide.target_batch(pts) == 11
+    assert guide.step_from_one(pts, 28) == math.floor(70 * 0.4**1.4) == 19
+    assert guide.step_from_one(pts, 70) == 70 and guide.step_from_one(pts, 90) == 90
+    assert guide.target_batch(pts) == 19
     two = [*pts, _over(40, 2 * model_tpot(40))]
-    assert guide.aim_at(two)(10) == 1.0
-    with pytest.raises(ValueError, match="min_aim_factor"):
-        Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, min_aim_factor=0.0)
+    assert guide.step_from_one(two, 28) == 28
+    assert guide.target_batch(two) == 28
+    assert guide.step_from_one([], 28) == 28
+    with pytest.raises(ValueError, match="extrapolation_spread=-0.1"):
+        Guide(model_tpot_s=model_tpot, space=SPACE, slo=SLO, extrapolation_spread=-0.1)
 
 
 def test_guide_ceiling_is_the_goodput_predicted_at_the_largest_batch_within_the_slo() -> None:
@@ -287,19 +287,15 @@ def test_guide_does_not_dive_on_a_flat_roofline() -> None:
     pts = [_over(400, 0.042)]  # 5% over the 0.04 s SLO
     slo = Slo(ttft_p99_s=1.0, tpot_p99_s=0.04)
     undiscounted = Guide(
-        model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0, extrapolation_discount=0.0
+        model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0, extrapolation_spread=0.0
     )
     want = 400 * (0.97 * 0.04 / 0.042) ** 2  # ~341
     assert abs(undiscounted.target_batch(pts) - want) <= 2
-    # With the default discount of the aim below a single measured batch: the largest B
-    # with 0.042 (B/400)^0.5 <= 0.97 (1 - 0.25 ln(400/B)) 0.04, ~287 (still no dive).
+    # With the default spread below a single measured batch: 400 (341/400)**1.4, ~320
+    # (still no dive).
     guide = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0)
-    ok = [
-        b
-        for b in range(1, 401)
-        if 0.042 * (b / 400) ** 0.5 <= 0.97 * 0.04 * (1 - 0.25 * math.log(400 / b))
-    ]
-    assert abs(guide.target_batch(pts) - max(ok)) <= 2 and max(ok) > 250
+    spread = 400 * (want / 400) ** 1.4
+    assert abs(guide.target_batch(pts) - spread) <= 2 and spread > 300
     roofline_only = Guide(model_tpot_s=flat, space=space, slo=slo, ttft_aim=1.0, min_elasticity=0)
     assert roofline_only.target_batch(pts) == 400 // 8  # the floor: max_step_down
     with pytest.raises(ValueError, match="min_elasticity=2"):
