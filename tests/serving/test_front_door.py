@@ -219,10 +219,11 @@ def test_the_proxy_stamps_and_a_forged_stamp_is_replaced(app) -> None:
 def test_a_client_disconnect_mid_stream_is_counted_with_its_ttft(app) -> None:
     aborted = names.exported(names.ABORTED_TOTAL)
     ttft_count = names.exported(names.TTFT_SECONDS) + "_count"
+    replica_count = names.exported(names.REPLICA_TTFT_SECONDS) + "_count"
     done = names.exported(names.REQUESTS_TOTAL)
-    before = httpx.get(app.metrics_url, timeout=30).text
+    before = _settled_metrics(app.metrics_url, (ttft_count, replica_count))
     a0 = _sum(before, aborted, reason=names.REASON_CLIENT_DISCONNECT)
-    c0, d0 = _sum(before, ttft_count), _sum(before, done)
+    c0, d0, r0 = _sum(before, ttft_count), _sum(before, done), _sum(before, replica_count)
     body = {
         "prompt": "stream then leave",
         "max_tokens": 400,
@@ -252,6 +253,10 @@ def test_a_client_disconnect_mid_stream_is_counted_with_its_ttft(app) -> None:
     text = _wait_metrics(app.metrics_url, lambda t: _sum(t, ttft_count) >= c0 + 1)
     assert _sum(text, ttft_count) == c0 + 1
     assert not math.isnan(_sum(text, names.exported(names.TTFT_SECONDS) + "_sum"))
+    # and the replica's own clock too, recorded as it gave up on the request (waited for here,
+    # so the observation does not land in the next test's counts instead)
+    text = _wait_metrics(app.metrics_url, lambda t: _sum(t, replica_count) >= r0 + 1)
+    assert _sum(text, replica_count) == r0 + 1
 
 
 @pytest.mark.ray
