@@ -365,6 +365,7 @@ class CompletionHandler:
                 first = first or clock()
                 yield chunk
 
+        done = False  # its last event went out: completed, whatever the client does next
         try:
             async with contextlib.aclosing(gen) as chunks:
                 async for event in oa.sse_completion_stream(
@@ -382,11 +383,18 @@ class CompletionHandler:
                     # pacing never holds text (the first included) past its interval
                     on_incomplete=lambda: self.engine.flush_next(cid),
                 ):
-                    if output.stopped == "string" and event.endswith(oa.SSE_DONE):
-                        self._record_stop_string(job, output, first)
+                    if event.endswith(oa.SSE_DONE):
+                        done = True
+                        if output.stopped == "string":
+                            self._record_stop_string(job, output, first)
                     yield event
         except BaseException as e:
-            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+            gone = isinstance(e, (asyncio.CancelledError, GeneratorExit))
+            if gone and done:
+                # closed after its last event: the completion is recorded (the engine's
+                # finish hook, or the stop string's record above), not also an abort
+                raise
+            if gone:
                 logger.info("request %s cancelled (client gone)", cid)
             self._record_aborted(e, job, first, output.tokens)
             raise
