@@ -11,8 +11,10 @@ Needs a served calibration (``slotune calibrate --served``) unless ``--served``;
 run measures one first if none is cached. ``--calibrate`` measures it afresh first, so
 that the simulator and the live canary see the machine in the same state (a calibration
 taken beside another job, hours before, makes the simulator slower than the canary it is
-compared with). The machine's load average is printed before and after (live figures on
-shared cores move with it).
+compared with); it first waits, up to 4 minutes, for the 1-minute load average to fall
+under 1, so that a run begun as the one before winds down does not calibrate a busy
+machine. The load average is printed before and after (live figures on shared cores move
+with it).
 
     .venv/bin/python bench/sim_fidelity.py [--calibrate | --served PATH] [--time-budget 240]
         [--sim-seeds 8] [--out DIR]
@@ -51,6 +53,18 @@ def simulate(served: str | None, seed: int) -> dict:
     if out.returncode not in (0, 3):
         raise SystemExit(f"slotune simulate failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout)
+
+
+def settle(below: float = 1.0, most_s: float = 240.0) -> float:
+    """Wait until the 1-minute load average is under ``below`` (at most ``most_s``): a
+    calibration taken while the previous run's Ray processes still wind down measures a
+    slower machine than the live canary then meets (12-07: the two runs begun at a load of
+    2.5-3.0 predicted 0.58-0.75 of the live batch or goodput; of the five begun at 1.5 or
+    less, four were within 20% in both). Returns the seconds waited."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= below and time.monotonic() - t0 < most_s:
+        time.sleep(5.0)
+    return time.monotonic() - t0
 
 
 def calibrate() -> None:
@@ -113,6 +127,7 @@ def main() -> None:
         raise SystemExit(
             "--calibrate measures this machine's cached calibration: not with --served"
         )
+    waited = settle() if args.calibrate else 0.0
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load_before = os.getloadavg()
     if args.calibrate:
@@ -137,6 +152,7 @@ def main() -> None:
         "cpu": cpu(),
         "started": started,
         "commit": commit(),
+        "settle_s": round(waited, 1),
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "served_calibration": served_calibration(),
@@ -154,7 +170,10 @@ def main() -> None:
     row["batch_ratio"] = ratio(row["sim_batch"], row["live_batch"])
     row["goodput_ratio"] = ratio(row["sim_goodput_rps"], row["live_goodput_rps"])
     print(f"CPU: {row['cpu']}; {started}, commit {row['commit']}")
-    print(f"load average before {row['load_before']}, after {row['load_after']}")
+    print(
+        f"load average before {row['load_before']} (after waiting {row['settle_s']:.0f} s for "
+        f"it to fall under 1), after {row['load_after']}"
+    )
     print("live trials (B, C, goodput req/s, p99 TPOT ms, p99 TTFT ms, feasible):")
     for t in rep.get("trials") or []:
         print(
