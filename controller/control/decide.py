@@ -36,7 +36,9 @@ What it does, in order:
    While degraded it may tighten, never loosen.
 3. **Tighten fast**: at once on a violated window, or when the knobs' level reaches
    ``tighten_at`` of an SLO: the mean p99 share of the conclusive windows at these knobs in
-   the last ``stabilization_s``, once there are ``near_windows`` of them (one window alone
+   the last ``stabilization_s`` whose answers are of the newest window's length (within
+   ``LOAD_SHIFT``, 1.5x: windows of another load leave it), once there are
+   ``near_windows`` of them (one window alone
    is within the noise of a p99 near the operating point, and a window under it does not
    undo the ones over: two in a row over 95% ratcheted a simulated day's batch down where
    p99 hardly moved with it). TPOT trouble lowers the batch limit (by ``decrease`` or
@@ -82,7 +84,15 @@ from dataclasses import dataclass, replace
 from controller.backends.serve_autoscaling import Scaling, shrinks_fleet
 from controller.control.gauges import holds_the_batch, queued, running_batch
 from controller.control.outliers import outliers
-from controller.control.policy import SPREAD_MIN, SPREAD_PAIRS, Policy, tpot_band, window_spread
+from controller.control.policy import (
+    SPREAD_MIN,
+    SPREAD_PAIRS,
+    Policy,
+    answer_tokens,
+    same_load,
+    tpot_band,
+    window_spread,
+)
 from controller.control.steps import cut_to, loosen_to, raise_cap, step_down
 from controller.control.verdicts import left_undecided, share_of_slo
 from metrics.observation import Observation, Verdict
@@ -123,10 +133,12 @@ class State:
     last_end_s: float = -math.inf  # the end of the newest window decided
     # (window end, completed, missed the SLO) of the windows within the burn window
     burn: tuple[tuple[float, int, int], ...] = ()
-    # (window end, p99 TTFT, p99 TPOT as shares of the SLO) of the windows judged at these
-    # knobs (conclusive, or undecided with a measured p99) in the last stabilization_s (or
-    # near_windows windows' time, if longer): their mean is the level a near tightening reads
-    level: tuple[tuple[float, float, float], ...] = ()
+    # (window end, p99 TTFT, p99 TPOT as shares of the SLO, mean answer tokens) of the
+    # windows judged at these knobs (conclusive, or undecided with a measured p99) in the
+    # last stabilization_s (or near_windows windows' time, if longer), of the load now
+    # running (answers within LOAD_SHIFT of the newest's length): their mean is the level a
+    # near tightening reads
+    level: tuple[tuple[float, float, float, float], ...] = ()
     # the relative differences of successive windows' p99 TPOT shares at unchanged knobs, the
     # last SPREAD_PAIRS: the windows' spread, which sets the TPOT band (tpot_band)
     spread: tuple[float, ...] = ()
@@ -327,7 +339,15 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
     # down where p99 hardly moved with it)
     if math.isfinite(ttft_share) and math.isfinite(tpot_share):
         horizon = max(policy.stabilization_s, policy.near_windows * o.window_s)
-        level = tuple(x for x in (*st.level, (now, ttft_share, tpot_share)) if x[0] > now - horizon)
+        # only the windows of the load now running: answers of another length moved p99
+        # apart from the knobs (live, a level pooled from a step up at 80-93% held B=10 for
+        # three windows into answers 2.5x longer, at TPOT 59-74% and TTFT 374-487% of its SLO)
+        tokens = answer_tokens(o)
+        level = tuple(
+            x
+            for x in (*st.level, (now, ttft_share, tpot_share, tokens))
+            if x[0] > now - horizon and same_load(x[3], tokens)
+        )
         st = replace(st, level=level)
         # The spread of p99 at one batch is read, and steered by, only where the limit held
         # the batch (running at it, or no gauge to tell): where the load holds it under the

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from metrics.observation import Slo
+from metrics.observation import Observation, Slo
 from search.space import Knobs
 
 
@@ -119,6 +119,29 @@ def window_spread(diffs: tuple[float, ...]) -> float:
     if len(diffs) < SPREAD_MIN:
         return math.nan
     return statistics.median(abs(d) for d in diffs) / (_Z.inv_cdf(0.75) * math.sqrt(2))
+
+
+# Windows whose answers differ in mean length by more than this factor came from another
+# load: a knobs' level keeps only the windows of the load now running (controller/control/
+# decide.py). Answers of one load differ in mean length from window to window by a few
+# percent (a window holds a hundred answers or more); the evening of a simulated day made
+# them 2.5x longer, and a live run 2.5x too.
+LOAD_SHIFT = 1.5
+
+
+def answer_tokens(o: Observation) -> float:
+    """The window's mean generated tokens per completed request (NaN where it has none)."""
+    if o.completed > 0 and o.generated_tokens > 0:
+        return o.generated_tokens / o.completed
+    return math.nan
+
+
+def same_load(a: float, b: float) -> bool:
+    """Whether two windows' mean answer lengths (:func:`answer_tokens`) are within
+    LOAD_SHIFT of each other; where either is unknown, taken to be the same load."""
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
+        return True
+    return max(a, b) <= LOAD_SHIFT * min(a, b)
 
 
 def tpot_band(policy: Policy, diffs: tuple[float, ...]) -> tuple[float, float, float]:

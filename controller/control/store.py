@@ -37,6 +37,13 @@ def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _level(x: list[Any]) -> tuple[float, float, float, float]:
+    """One window of the level; its answer length unknown (NaN) where the file has none
+    (null, or a file written before the level kept it)."""
+    n = x[3] if len(x) > 3 and x[3] is not None else math.nan
+    return float(x[0]), float(x[1]), float(x[2]), float(n)
+
+
 def state_to_dict(s: State) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
@@ -48,7 +55,7 @@ def state_to_dict(s: State) -> dict[str, Any]:
         "last_change_s": _num(s.last_change_s),
         "last_end_s": _num(s.last_end_s),
         "burn": [list(b) for b in s.burn],
-        "level": [list(x) for x in s.level],
+        "level": [[e, a, b, _num(n)] for e, a, b, n in s.level],
         "spread": list(s.spread),
         "bound_end_s": _num(s.bound_end_s),
         "raised_from": None if s.raised_from is None else s.raised_from.as_dict(),
@@ -75,7 +82,7 @@ def state_from_dict(d: dict[str, Any]) -> State:
         last_change_s=t(d.get("last_change_s")),
         last_end_s=t(d.get("last_end_s")),
         burn=tuple((float(a), int(b), int(c)) for a, b, c in d.get("burn", ())),
-        level=tuple((float(a), float(b), float(c)) for a, b, c in d.get("level", ())),
+        level=tuple(_level(x) for x in d.get("level", ())),
         spread=tuple(float(x) for x in d.get("spread", ())),
         bound_end_s=t(d.get("bound_end_s")),
         raised_from=_knobs(d.get("raised_from")),

@@ -24,6 +24,7 @@ POLICY = Policy(slo=SLO, batch_max=64, headroom=1.0, stabilization_s=300.0)
 K16 = Knobs(max_batch_size=16, max_concurrency=16)
 # the windows' spread already read, and small (1%): the TPOT band as configured
 QUIET = (0.01, -0.01, 0.01, -0.01)
+NAN = math.nan  # a window's answer length, not known
 
 
 def _v(verdict: Verdict, share: float, bound: float, n: int) -> SloVerdict:
@@ -47,8 +48,10 @@ def obs(
     stale: bool = False,
     running: float = math.nan,
     waiting: float = math.nan,
+    answer: float = math.nan,
 ) -> Observation:
-    """A window ending at ``end`` whose p99s are the given shares of their SLOs."""
+    """A window ending at ``end`` whose p99s are the given shares of their SLOs, its
+    answers ``answer`` tokens long on average (NaN: no token count)."""
 
     def verdict(share: float) -> Verdict:
         return Verdict.MET if share <= 1 else Verdict.VIOLATED
@@ -65,6 +68,7 @@ def obs(
         stale=stale,
         running=running,
         waiting=waiting,
+        generated_tokens=round(answer * n) if math.isfinite(answer) else 0,
     )
 
 
@@ -258,7 +262,7 @@ def test_near_the_slo_is_judged_on_the_mean_of_the_windows_at_these_knobs() -> N
     # hold, where with 0.99 at 100 s beside them (95.3%) the level would tighten
     late = tick(obs(500, tpot=0.91), tick(obs(100, tpot=0.99)).state)
     d = tick(obs(600, tpot=0.96), late.state)
-    assert d.action is Action.HOLD and [e for e, _, _ in d.state.level] == [500, 600]
+    assert d.action is Action.HOLD and [x[0] for x in d.state.level] == [500, 600]
     assert tick(obs(400, tpot=0.96), late.state).action is Action.HOLD  # not newer: held
 
 
@@ -349,10 +353,40 @@ def test_queueing_raises_the_batch_on_the_level_not_on_one_low_window() -> None:
     assert d.action is Action.LOOSEN and d.knobs.max_batch_size == 16 + 1, d.reason
     assert d.predicted_tpot_s == pytest.approx(0.1 * (0.99 + 0.85 + 0.60) / 3 * 17 / 16)
     # a window without a TPOT reading raises nothing on the older windows' level (60%)
-    low = State(knobs=K16, level=((100, 1.5, 0.6), (160, 1.5, 0.6)), last_end_s=160, spread=QUIET)
+    low = State(
+        knobs=K16, level=((100, 1.5, 0.6, NAN), (160, 1.5, 0.6, NAN)), last_end_s=160, spread=QUIET
+    )
     d = tick(replace(obs(220, ttft=1.5), tpot_verdict=None), low)
     assert d.action is Action.HOLD and d.knobs == K16 and "more replicas" in d.reason, d.reason
     assert tick(obs(220, ttft=1.5, tpot=0.6), low).action is Action.LOOSEN  # with one: up
+
+
+def test_the_level_keeps_only_the_windows_of_the_load_now_running() -> None:
+    # 20 s windows at B=C=16 under short answers, TPOT in the band (94%); then answers 2.5x
+    # longer: TTFT over from queueing, TPOT at 70%. The windows of the short answers leave
+    # the level, and two windows of the long ones raise the batch; pooled with them (a
+    # level of 91% over 300 s), it held, saying more replicas were needed
+    st = State(knobs=K16, spread=QUIET * 3)
+    for end in range(20, 281, 20):
+        st = tick(obs(end, tpot=0.94, answer=100, window=20), st).state
+    assert len(st.level) == 14
+
+    def longer(answer: float) -> tuple:
+        first = tick(obs(300, ttft=3.0, tpot=0.7, answer=answer, window=20), st)
+        return first, tick(obs(320, ttft=3.0, tpot=0.7, answer=answer, window=20), first.state)
+
+    first, second = longer(250)
+    assert first.action is Action.HOLD and len(first.state.level) == 1, first.reason
+    assert "give its TPOT level (1 so far)" in first.reason
+    assert second.action is Action.LOOSEN and second.knobs.max_batch_size > 16, second.reason
+    assert "TPOT at 70% over its last 2 windows" in second.reason
+    # answers 1.2x longer are the same load: its windows stay in the level, and it holds
+    first, second = longer(120)
+    assert len(first.state.level) == 15 and len(second.state.level) == 15
+    assert second.action is Action.HOLD and "more replicas" in second.reason, second.reason
+    # a window with no token count is taken to be of the same load
+    first, _ = longer(math.nan)
+    assert len(first.state.level) == 15
 
 
 def test_a_raise_that_reads_over_the_band_on_trial_goes_back_and_caps_the_next() -> None:
@@ -373,10 +407,10 @@ def test_a_raise_that_reads_over_the_band_on_trial_goes_back_and_caps_the_next()
     again = tick(obs(340, ttft=1.5, tpot=0.6), st)
     assert again.action is Action.LOOSEN and again.knobs.max_batch_size == 19, again.reason
     # ... at the cap, it holds and says why; once the ceiling's time is over, past it
-    at19 = replace(again.state, raised_from=None, level=((340, 1.5, 0.6),))
+    at19 = replace(again.state, raised_from=None, level=((340, 1.5, 0.6, NAN),))
     held = tick(obs(400, ttft=1.5, tpot=0.6), at19)
     assert held.action is Action.HOLD and "no raise to it yet" in held.reason, held.reason
-    later = replace(held.state, level=((600, 1.5, 0.6),), last_end_s=600)
+    later = replace(held.state, level=((600, 1.5, 0.6, NAN),), last_end_s=600)
     d = tick(obs(660, ttft=1.5, tpot=0.6), later)
     assert d.action is Action.LOOSEN and d.knobs.max_batch_size > 20 and d.state.ceiling is None
     # a window on trial within the band keeps the raise; the next one pools the level, and

@@ -5,6 +5,7 @@ controller per deployment."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -265,6 +266,18 @@ def test_the_knobs_level_is_saved_with_the_state(tmp_path) -> None:
     assert rows[0]["action"] == "hold" and len(state.level) == 1
     assert state.level[0][2] == pytest.approx(0.97)
     assert load_state(tmp_path / "state.json") == state
+    # a window's answer length, unknown, is saved as null and read back as NaN; a file
+    # written before the level kept it reads NaN too (taken as the same load)
+    st = State(knobs=K16, level=((60.0, 0.5, 0.9, math.nan), (120.0, 0.5, 0.92, 180.0)))
+    save_state(st, tmp_path / "state.json")
+    d = json.loads((tmp_path / "state.json").read_text())
+    assert d["level"] == [[60.0, 0.5, 0.9, None], [120.0, 0.5, 0.92, 180.0]]
+    back = load_state(tmp_path / "state.json").level
+    assert math.isnan(back[0][3]) and back[0][:3] == (60.0, 0.5, 0.9) and back[1] == st.level[1]
+    d["level"] = [[60.0, 0.5, 0.9]]
+    (tmp_path / "state.json").write_text(json.dumps(d))
+    (old,) = load_state(tmp_path / "state.json").level
+    assert old[:3] == (60.0, 0.5, 0.9) and math.isnan(old[3])
 
 
 def test_a_raise_on_trial_and_its_ceiling_are_saved_with_the_state(tmp_path) -> None:
