@@ -341,7 +341,8 @@ def _decide(signals: Signals, state: State, policy: Policy) -> Decision:
         horizon = max(policy.stabilization_s, policy.near_windows * o.window_s)
         # only the windows of the load now running: answers of another length moved p99
         # apart from the knobs (live, a level pooled from a step up at 80-93% held B=10 for
-        # three windows into answers 2.5x longer, at TPOT 59-74% and TTFT 374-487% of its SLO)
+        # three windows into answers twice as long, 8 -> 16 tokens, at TPOT 59-74% and
+        # TTFT 374-487% of its SLO)
         tokens = answer_tokens(o)
         level = tuple(
             x

@@ -125,7 +125,7 @@ def window_spread(diffs: tuple[float, ...]) -> float:
 # load: a knobs' level keeps only the windows of the load now running (controller/control/
 # decide.py). Answers of one load differ in mean length from window to window by a few
 # percent (a window holds a hundred answers or more); the evening of a simulated day made
-# them 2.5x longer, and a live run 2.5x too.
+# them 2.5x longer, and the live bench doubles them (8 -> 16 tokens).
 LOAD_SHIFT = 1.5
 
 
